@@ -1,0 +1,92 @@
+"""Every internal path of the decreasing-fit kernel gives the textbook bins.
+
+The kernel picks between a per-item segment tree, a grouped flat scan and a grouped block-indexed scan
+by size; small hypothesis cases would only reach some of them, so each path is forced here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from mcore_packing.packing import _kernels, get_packer
+
+from .packing_reference import reference_decreasing_fit
+
+# The fixture patches module constants once per test; hypothesis examples then all run on that path.
+PATHS = {
+    "per_item": {"_PER_ITEM_RATIO": 10**9},
+    "grouped_flat": {"_PER_ITEM_RATIO": 0, "_SMALL": 10**9},
+    "grouped_blocks": {"_PER_ITEM_RATIO": 0, "_SMALL": 0, "_BLOCK": 4},
+}
+
+
+@pytest.fixture(params=sorted(PATHS))
+def kernel_path(request, monkeypatch):
+    for name, value in PATHS[request.param].items():
+        monkeypatch.setattr(_kernels, name, value)
+    return request.param
+
+
+@st.composite
+def cases(draw):
+    capacity = draw(st.integers(1, 200))
+    # Few distinct lengths so equal-length groups are common.
+    palette = draw(st.lists(st.integers(1, capacity), min_size=1, max_size=6))
+    lengths = draw(st.lists(st.sampled_from(palette), min_size=0, max_size=150))
+    return capacity, lengths
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases())
+def test_ffd_and_bfd_match_reference_on_every_path(kernel_path, case):
+    capacity, lengths = case
+    for name, best in [("ffd", False), ("bfd", True)]:
+        assert get_packer(name, capacity).pack(lengths) == reference_decreasing_fit(lengths, capacity, best_fit=best)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=cases(), data=st.data())
+def test_initial_residuals_are_respected_on_every_path(kernel_path, case, data):
+    capacity, lengths = case
+    opened = data.draw(st.lists(st.integers(0, capacity), max_size=10))
+    sorted_lengths = np.sort(np.asarray(lengths, dtype=np.int64))[::-1].copy()
+    bin_ids, residual = _kernels.decreasing_fit(
+        sorted_lengths, capacity, best_fit=False, initial_residuals=np.asarray(opened, dtype=np.int64)
+    )
+    # Reference: first fit over pre-opened bins, then new bins.
+    room = list(opened)
+    expected = []
+    for s in sorted_lengths.tolist():
+        b = next((k for k, r in enumerate(room) if r >= s), None)
+        if b is None:
+            room.append(capacity)
+            b = len(room) - 1
+        room[b] -= s
+        expected.append(b)
+    assert bin_ids.tolist() == expected
+    assert residual.tolist() == room
+
+
+def test_paths_agree_on_a_large_realistic_case(monkeypatch):
+    from mcore_packing.data import sample_lengths
+
+    lengths = sample_lengths("lognormal", 30_000, 2048, seed=5)
+    results = {}
+    for path, overrides in PATHS.items():
+        with monkeypatch.context() as m:
+            for name, value in overrides.items():
+                m.setattr(_kernels, name, value if name != "_BLOCK" else 64)
+            results[path] = get_packer("ffd", 2048).pack_bins(lengths).indices.tolist()
+    assert results["per_item"] == results["grouped_flat"] == results["grouped_blocks"]
+
+
+def test_negative_control_reference_detects_a_wrong_tie_break():
+    # If the kernel broke ties among equal lengths by the higher index, the reference comparison would fail.
+    lengths = [5, 5, 5, 5]
+    ours = get_packer("ffd", 10).pack(lengths)
+    wrong = [[1, 0], [3, 2]]
+    assert ours == reference_decreasing_fit(lengths, 10, best_fit=False)
+    assert ours != wrong
