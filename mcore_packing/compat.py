@@ -1,0 +1,83 @@
+"""The one place that knows about optional dependencies and version differences.
+
+- TransformerEngine: optional (``pip install 'mcore-packing[te]'``). Used when importable; never needed.
+- megatron-core: 0.16 to 0.19. ``PackedSeqParams`` grew fields over releases (``total_tokens``,
+  ``pad_between_seqs``); we detect fields instead of comparing versions.
+- torch: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, CUDA only) when present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import importlib.metadata
+
+__all__ = [
+    "megatron_core_version",
+    "packed_seq_params_fields",
+    "require_megatron",
+    "te_available",
+    "te_thd_partitioned_indices",
+    "varlen_attn_available",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def te_available() -> bool:
+    """True when ``transformer_engine.pytorch`` imports (it needs CUDA and cuDNN)."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception:  # ImportError, or OSError/RuntimeError from missing CUDA libraries
+        return False
+    return True
+
+
+def te_thd_partitioned_indices():
+    """TransformerEngine's ``thd_get_partitioned_indices`` if TE is importable, else None."""
+    if not te_available():
+        return None
+    try:
+        import transformer_engine_torch as tex  # the C++ extension module
+    except ImportError:
+        return None
+    return getattr(tex, "thd_get_partitioned_indices", None)
+
+
+@functools.lru_cache(maxsize=1)
+def varlen_attn_available() -> bool:
+    """True when torch ships ``varlen_attn`` and a CUDA device is present to run it."""
+    import torch
+
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def require_megatron():
+    """Import megatron.core or raise an ImportError that says how to install it."""
+    try:
+        return importlib.import_module("megatron.core")
+    except ImportError as exc:
+        raise ImportError(
+            "mcore_packing's Megatron integration needs megatron-core (>=0.16,<0.20): pip install 'megatron-core'."
+        ) from exc
+
+
+@functools.lru_cache(maxsize=1)
+def megatron_core_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+@functools.lru_cache(maxsize=1)
+def packed_seq_params_fields() -> frozenset[str]:
+    """Field names of the installed ``megatron.core.packed_seq_params.PackedSeqParams``."""
+    require_megatron()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    return frozenset(f.name for f in dataclasses.fields(PackedSeqParams))

@@ -1,0 +1,248 @@
+"""A Megatron core-attention module for packed (THD) and padded (BSHD) batches, without TransformerEngine.
+
+Megatron's own ``DotProductAttention`` refuses ``packed_seq_params``; this module takes its place in the
+layer spec (`layer_spec.get_packed_gpt_layer_spec`) and keeps attention inside each sequence.
+
+Backends, picked per call:
+- CPU (or ``backend="sdpa"``): ``scaled_dot_product_attention`` per sequence over its real tokens.
+  Padding positions get zeros (they are masked out of the loss and no real token attends to them).
+- CUDA with ``torch.nn.attention.varlen.varlen_attn`` (``backend="varlen"``, the default on GPU): one
+  FlashAttention varlen call over the padded spans.
+- Context parallel (CP > 1): the rank holds chunks r and 2*CP-1-r of every sequence. K and V are
+  all-gathered over the CP group (differentiable), put back in sequence order, and each local query
+  attends causally to the keys at or before its global position.
+
+With TransformerEngine installed, `get_packed_gpt_layer_spec` uses TE's attention instead of this module.
+Only causal self-attention (GPT) is supported; dropout uses torch's RNG (no TP RNG tracker fork).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from ..compat import require_megatron, varlen_attn_available
+from ..context_parallel import all_gather_cat, bshd_partition_indices, thd_partition_indices
+
+require_megatron()
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+
+__all__ = ["BACKENDS", "PackedCoreAttention", "ThdLayout", "thd_layout"]
+
+BACKENDS = ("auto", "sdpa", "varlen")
+
+
+@dataclass(frozen=True)
+class ThdLayout:
+    """Host-side description of a packed row, so attention needs no device-to-host copy per layer."""
+
+    padded_starts: tuple[int, ...]
+    padded_lengths: tuple[int, ...]
+    real_lengths: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return self.padded_starts[-1] + self.padded_lengths[-1] if self.padded_starts else 0
+
+
+_LAYOUT_ATTR = "_mcore_packing_layout"
+
+
+def thd_layout(packed_seq_params) -> ThdLayout:
+    """The `ThdLayout` attached by `packed_seq.to_packed_seq_params`, or one read back from the tensors."""
+    layout = getattr(packed_seq_params, _LAYOUT_ATTR, None)
+    if layout is None:  # built elsewhere: read once (one sync) and cache on the params object
+        padded = packed_seq_params.cu_seqlens_q_padded
+        if padded is None:
+            padded = packed_seq_params.cu_seqlens_q
+        padded = padded.tolist()
+        real = packed_seq_params.cu_seqlens_q.tolist()
+        layout = ThdLayout(
+            padded_starts=tuple(padded[:-1]),
+            padded_lengths=tuple(b - a for a, b in pairwise(padded)),
+            real_lengths=tuple(b - a for a, b in pairwise(real)),
+        )
+        setattr(packed_seq_params, _LAYOUT_ATTR, layout)
+    return layout
+
+
+class PackedCoreAttention(MegatronModule):
+    """Core attention honouring ``PackedSeqParams`` (THD) on any device; BSHD (dynamic batching) too."""
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        backend: str = "auto",
+    ):
+        super().__init__(config=config)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}.")
+        if attention_type != "self":
+            raise ValueError(
+                f"PackedCoreAttention supports self-attention only, got attention_type={attention_type!r}."
+            )
+        self.layer_number = layer_number
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.backend = backend
+        if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+            self.cp_group = pg_collection.cp
+        else:
+            from megatron.core import parallel_state
+
+            self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
+        self.cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
+
+    # -- helpers ---------------------------------------------------------------------------------------
+    def _scale(self, head_dim: int) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+
+    def _dropout(self) -> float:
+        return self.dropout_p if self.training else 0.0
+
+    def _sdpa(self, q, k, v, *, causal: bool, mask=None):
+        """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D]."""
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1),
+            k.transpose(0, 1),
+            v.transpose(0, 1),
+            attn_mask=mask,
+            dropout_p=self._dropout(),
+            is_causal=causal and mask is None,
+            scale=self._scale(q.shape[-1]),
+        )
+        return out.transpose(0, 1)
+
+    def _check_mask_type(self, attn_mask_type) -> None:
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+            raise ValueError(f"PackedCoreAttention implements causal attention only, got {mask_type}.")
+
+    # -- forward ---------------------------------------------------------------------------------------
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not support attention_bias.")
+        self._check_mask_type(attn_mask_type)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            out = self._thd(query, key, value, packed_seq_params)
+            return out.reshape(out.shape[0], -1)
+        return self._bshd(query, key, value)
+
+    def _use_varlen(self, query: torch.Tensor) -> bool:
+        if self.backend == "sdpa":
+            return False
+        if self.backend == "varlen":
+            if not varlen_attn_available():
+                raise RuntimeError("backend='varlen' needs torch.nn.attention.varlen.varlen_attn and a CUDA device.")
+            return True
+        return query.is_cuda and varlen_attn_available()
+
+    def _thd(self, q, k, v, params) -> torch.Tensor:
+        layout = thd_layout(params)
+        if self.cp_size == 1:
+            if self._use_varlen(q):
+                return self._thd_varlen(q, k, v, params, layout)
+            out = torch.zeros_like(q)
+            for start, n in zip(layout.padded_starts, layout.real_lengths, strict=True):
+                s = slice(start, start + n)
+                out[s] = self._sdpa(q[s], k[s], v[s], causal=True)
+            return out
+        return self._thd_context_parallel(q, k, v, layout)
+
+    def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+        cu = cu.to(device=q.device, dtype=torch.int32)
+        longest = max(layout.padded_lengths)
+        return varlen_attn(
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            longest,
+            longest,
+            scale=self._scale(q.shape[-1]),
+            window_size=(-1, 0),
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+
+    def _gather_kv(self, k, v, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather local K/V over CP and reorder to packed order with ``index`` (the inverse split)."""
+        kv = torch.cat([k, v], dim=-1)
+        full = all_gather_cat(kv, self.cp_group)[index]
+        return full[..., : k.shape[-1]], full[..., k.shape[-1] :]
+
+    def _thd_context_parallel(self, q, k, v, layout: ThdLayout) -> torch.Tensor:
+        cp, rank = self.cp_size, self.cp_rank
+        cu = [0, *[a + b for a, b in zip(layout.padded_starts, layout.padded_lengths, strict=True)]]
+        order = torch.cat([thd_partition_indices(cu, layout.total, cp, r) for r in range(cp)])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel())
+        k_full, v_full = self._gather_kv(k, v, inverse.to(q.device))
+        out = torch.empty_like(q)
+        local = 0
+        for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True):
+            chunk = span // (2 * cp)
+            positions = _zigzag_positions(chunk, cp, rank, q.device)
+            visible = int(positions[-1]) + 1  # keys after the last local query are never attended
+            mask = torch.arange(visible, device=q.device)[None, :] <= positions[:, None]
+            s = slice(local, local + 2 * chunk)
+            keys = slice(start, start + visible)
+            out[s] = self._sdpa(q[s], k_full[keys], v_full[keys], causal=False, mask=mask)
+            local += 2 * chunk
+        return out
+
+    def _bshd(self, q, k, v) -> torch.Tensor:
+        """q [s, b, Hq, D] (the local CP part of each row when CP > 1) -> [s, b, Hq*D]."""
+        s, b = q.shape[0], q.shape[1]
+        if self.cp_size == 1:
+            out = torch.stack([self._sdpa(q[:, i], k[:, i], v[:, i], causal=True) for i in range(b)], dim=1)
+            return out.reshape(s, b, -1)
+        cp, rank = self.cp_size, self.cp_rank
+        seq_len = s * cp
+        order = torch.cat([bshd_partition_indices(seq_len, cp, r) for r in range(cp)])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(seq_len)
+        k_full, v_full = self._gather_kv(k, v, inverse.to(q.device))
+        positions = _zigzag_positions(seq_len // (2 * cp), cp, rank, q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
+        out = torch.stack(
+            [self._sdpa(q[:, i], k_full[:, i], v_full[:, i], causal=False, mask=mask) for i in range(b)], dim=1
+        )
+        return out.reshape(s, b, -1)
+
+
+def _zigzag_positions(chunk: int, cp: int, rank: int, device) -> torch.Tensor:
+    """Global positions (within a sequence) of the local tokens: chunk ``rank`` then chunk ``2cp-1-rank``."""
+    front = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+    back = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
+    return torch.cat([front, back])

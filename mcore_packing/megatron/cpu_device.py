@@ -1,0 +1,154 @@
+"""Run Megatron-Core's real schedules and layers on a CPU-only machine.
+
+Megatron hard-codes CUDA in a few places on the training path (megatron-core 0.16.1): tensor factories
+with ``device="cuda"`` or ``torch.cuda.current_device()`` in the pipeline schedules and p2p
+communication, ``torch.cuda.synchronize()``, RoPE moving ``inv_freq`` to the current CUDA device, and
+buffers in tensor-parallel layers, mappings, ``utils.GlobalMemoryBuffer`` and the DDP grad buffers.
+
+The adapter replaces the module-global name ``torch`` inside exactly those Megatron modules with a proxy:
+tensor factories given a CUDA (or integer) device allocate on the CPU, ``torch.cuda.current_device()``
+returns the CPU device and ``torch.cuda.synchronize()`` does nothing. Everything else passes through to
+the real torch, which is never modified. Every redirected call site is recorded, so a test can pin the
+exact set to the installed megatron-core and an upgrade cannot silently change it.
+
+It is a stand-in for a GPU, used only when ``torch.cuda.is_available()`` is False.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["PATCHED_MODULES", "CpuDeviceAdapter", "cpu_device_adapter"]
+
+PATCHED_MODULES = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.tensor_parallel.mappings",
+    "megatron.core.utils",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+)
+"""Megatron modules whose ``torch`` global is redirected while the adapter is active."""
+
+_FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "ones_like", "empty_like")
+_CPU = torch.device("cpu")
+
+
+def _is_cuda_device(device) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, str) and device.startswith("cuda")
+
+
+class _CudaProxy:
+    def __init__(self, adapter: CpuDeviceAdapter, module: str):
+        self._adapter = adapter
+        self._module = module
+
+    def current_device(self):
+        self._adapter._record(self._module, "cuda.current_device")
+        return _CPU
+
+    def synchronize(self, *args, **kwargs):
+        self._adapter._record(self._module, "cuda.synchronize")
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _TorchProxy:
+    """Stands in for ``torch`` inside one Megatron module."""
+
+    def __init__(self, adapter: CpuDeviceAdapter, module: str):
+        self._adapter = adapter
+        self._module = module
+        self.cuda = _CudaProxy(adapter, module)
+        for name in _FACTORIES:
+            setattr(self, name, self._factory(name))
+
+    def _factory(self, name: str):
+        real = getattr(torch, name)
+        adapter, module = self._adapter, self._module
+
+        def factory(*args, **kwargs):
+            if _is_cuda_device(kwargs.get("device")):
+                adapter._record(module, name)
+                kwargs["device"] = _CPU
+            return real(*args, **kwargs)
+
+        factory.__name__ = name
+        return factory
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+class CpuDeviceAdapter:
+    """Installs the proxies; ``call_sites`` lists what was redirected as ``(module, function, call)``."""
+
+    def __init__(self, modules: tuple[str, ...] = PATCHED_MODULES):
+        self.modules = modules
+        self.call_sites: set[tuple[str, str, str]] = set()
+        self._saved: dict[str, object] = {}
+        self._lock = threading.Lock()
+
+    def _record(self, module: str, call: str) -> None:
+        frame = sys._getframe(2)
+        # Walk out of our own frames to the Megatron function that made the call.
+        while frame is not None and frame.f_globals.get("__name__", "").startswith("mcore_packing.megatron.cpu"):
+            frame = frame.f_back
+        function = frame.f_code.co_name if frame is not None else "?"
+        with self._lock:
+            self.call_sites.add((module, function, call))
+
+    def install(self) -> None:
+        for name in self.modules:
+            module = importlib.import_module(name)
+            if name in self._saved:
+                continue
+            self._saved[name] = module.torch
+            module.torch = _TorchProxy(self, name)
+
+    def uninstall(self) -> None:
+        for name, original in self._saved.items():
+            sys.modules[name].torch = original
+        self._saved.clear()
+
+
+_ACTIVE: CpuDeviceAdapter | None = None
+
+
+@contextlib.contextmanager
+def cpu_device_adapter(force: bool = False) -> Iterator[CpuDeviceAdapter | None]:
+    """Redirect Megatron's CUDA call sites to the CPU inside the block, when there is no GPU.
+
+    Yields the adapter (or None when a GPU is present and ``force`` is False). Nested use reuses the
+    active adapter.
+    """
+    global _ACTIVE
+    if torch.cuda.is_available() and not force:
+        yield None
+        return
+    if _ACTIVE is not None:
+        yield _ACTIVE
+        return
+    adapter = CpuDeviceAdapter()
+    adapter.install()
+    _ACTIVE = adapter
+    try:
+        yield adapter
+    finally:
+        adapter.uninstall()
+        _ACTIVE = None

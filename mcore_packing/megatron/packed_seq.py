@@ -1,0 +1,65 @@
+"""Megatron-Core ``PackedSeqParams`` from a `PackedBatch`.
+
+cu_seqlens are built on the host as int32 and copied to the model's device without blocking (from pinned
+memory on CUDA); ``max_seqlen`` is a Python int known on the host. So building the params costs no
+device-to-host synchronization. The host-side layout is attached to the params object so the attention
+module needs none either. Fields that newer megatron-core releases added (``total_tokens``,
+``pad_between_seqs``) are passed only when the installed ``PackedSeqParams`` has them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..batch import PackedBatch
+from ..compat import packed_seq_params_fields, require_megatron
+from .attention import _LAYOUT_ATTR, ThdLayout
+
+__all__ = ["to_packed_seq_params"]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def to_packed_seq_params(batch: PackedBatch, *, device: torch.device | str = "cpu", cp_group=None):
+    """The ``PackedSeqParams`` (qkv_format "thd") for ``batch``.
+
+    ``cu_seqlens_q/kv`` hold the real lengths, ``cu_seqlens_q/kv_padded`` the padded spans, and
+    ``max_seqlen_q/kv`` the longest padded span (RoPE needs frequencies for every padded position, and
+    Megatron's THD RoPE switches to offset positions if this equals the whole row: it never does here
+    unless the row holds a single sequence, where both modes agree). They always describe the whole
+    packed row, also on a CP rank.
+    """
+    require_megatron()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    device = torch.device(device)
+    fields = packed_seq_params_fields()
+    cu = _to_device(batch.cu_seqlens.to(torch.int32), device)
+    cu_padded = _to_device(batch.cu_seqlens_padded.to(torch.int32), device)
+    kwargs = dict(
+        qkv_format="thd",
+        cu_seqlens_q=cu,
+        cu_seqlens_kv=cu,
+        cu_seqlens_q_padded=cu_padded,
+        cu_seqlens_kv_padded=cu_padded,
+        max_seqlen_q=batch.max_seqlen,
+        max_seqlen_kv=batch.max_seqlen,
+    )
+    if cp_group is not None and "cp_group" in fields:
+        kwargs["cp_group"] = cp_group
+    if "total_tokens" in fields:
+        kwargs["total_tokens"] = batch.total_tokens // batch.cp_size  # tokens in this rank's THD tensor
+    if "pad_between_seqs" in fields:
+        kwargs["pad_between_seqs"] = batch.padded_lengths != batch.seq_lengths
+    params = PackedSeqParams(**kwargs)
+    starts = batch.cu_seqlens_padded[:-1].tolist()  # host tensor: no device sync
+    setattr(
+        params,
+        _LAYOUT_ATTR,
+        ThdLayout(padded_starts=tuple(starts), padded_lengths=batch.padded_lengths, real_lengths=batch.seq_lengths),
+    )
+    return params

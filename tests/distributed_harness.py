@@ -1,0 +1,86 @@
+"""Run a test function on N real torch.distributed (gloo) processes and collect what each rank returns.
+
+The worker is named as ``"module:function"`` so the spawned interpreters can import it. Each rank
+initializes a gloo process group on a free local port, calls the function with ``(rank, world_size,
+**kwargs)``, and pickles its return value (or its traceback) to a temporary file.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pickle
+import socket
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, target: str, kwargs: dict, port: int, out_dir: str) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result: dict
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        module_name, function_name = target.split(":")
+        fn = getattr(importlib.import_module(module_name), function_name)
+        result = {"ok": fn(rank, world_size, **kwargs)}
+    except BaseException:  # report everything to the parent, which fails the test
+        result = {"error": traceback.format_exc()}
+    finally:
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(target: str, world_size: int, timeout: float = 600.0, **kwargs) -> list:
+    """Run ``target`` on ``world_size`` gloo ranks; return the per-rank results in rank order."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _entry,
+            args=(world_size, target, kwargs, free_port(), out_dir),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=2):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise TimeoutError(f"{target} on {world_size} ranks did not finish in {timeout:.0f} s (hang?)")
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} of {target} wrote no result")
+            with open(path, "rb") as f:
+                result = pickle.load(f)
+            if "error" in result:
+                raise RuntimeError(f"rank {rank} of {target} failed:\n{result['error']}")
+            results.append(result["ok"])
+        return results

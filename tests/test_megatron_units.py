@@ -1,0 +1,154 @@
+"""PackedSeqParams construction, the attention module's backends, the layer spec, CP round trips."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from mcore_packing import compat
+from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch
+from mcore_packing.megatron import (
+    get_packed_gpt_layer_spec,
+    resolve_attention_backend,
+    thd_layout,
+    to_packed_seq_params,
+)
+from mcore_packing.megatron.attention import PackedCoreAttention
+
+from .distributed_harness import run_distributed
+from .megatron_workers import tiny_attention_config
+
+
+def make_batch(rule=None):
+    return build_packed_batch([SequenceSample([1, 2, 3, 4, 5]), SequenceSample([6, 7])], rule or PaddingRule(cp_size=2))
+
+
+def test_packed_seq_params_fields_dtypes_and_layout():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    batch = make_batch()
+    p = to_packed_seq_params(batch)
+    assert isinstance(p, PackedSeqParams) and p.qkv_format == "thd"
+    assert p.cu_seqlens_q.dtype == torch.int32 and p.cu_seqlens_q.tolist() == [0, 5, 7]
+    assert p.cu_seqlens_kv_padded.tolist() == [0, 8, 12] and p.cu_seqlens_q_padded.dtype == torch.int32
+    assert p.max_seqlen_q == p.max_seqlen_kv == 8 and isinstance(p.max_seqlen_q, int)
+    layout = thd_layout(p)
+    assert layout.padded_starts == (0, 8) and layout.padded_lengths == (8, 4) and layout.real_lengths == (5, 2)
+
+
+def test_layout_is_read_back_when_params_come_from_elsewhere():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = torch.tensor([0, 3, 9], dtype=torch.int32)
+    p = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=6, max_seqlen_kv=6)
+    assert thd_layout(p).padded_lengths == (3, 6) and thd_layout(p).real_lengths == (3, 6)
+
+
+def test_newer_fields_are_passed_only_when_the_installed_release_has_them(monkeypatch):
+    import megatron.core.packed_seq_params as psp
+
+    @dataclasses.dataclass
+    class NewerParams(psp.PackedSeqParams):
+        total_tokens: int = None
+        pad_between_seqs: bool = None
+
+    monkeypatch.setattr(psp, "PackedSeqParams", NewerParams)
+    monkeypatch.setattr(
+        compat, "packed_seq_params_fields", lambda: frozenset(f.name for f in dataclasses.fields(NewerParams))
+    )
+    import mcore_packing.megatron.packed_seq as packed_seq
+
+    monkeypatch.setattr(packed_seq, "packed_seq_params_fields", compat.packed_seq_params_fields)
+    p = to_packed_seq_params(make_batch())
+    assert p.total_tokens == 12 and p.pad_between_seqs is True
+    # The installed release (0.16.x) lacks them: nothing extra is passed, or its constructor would raise.
+    monkeypatch.undo()
+    fields = compat.packed_seq_params_fields()
+    p = to_packed_seq_params(make_batch())
+    assert ("total_tokens" in fields) == hasattr(p, "total_tokens")
+
+
+def naive_causal_attention(q, k, v):
+    """q/k/v [L, H, D] -> [L, H, D], written out with an explicit softmax."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+    n = q.shape[0]
+    scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_thd_attention_matches_naive_per_sequence_with_gqa_and_zeroes_padding():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attn = PackedCoreAttention(tiny_attention_config(), 1, AttnMaskType.causal, backend="sdpa")
+    batch = build_packed_batch(
+        [SequenceSample(list(range(n))) for n in (5, 1, 9)], PaddingRule(sequence_length_round=4)
+    )
+    p = to_packed_seq_params(batch)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(batch.total_tokens, 4, 8, generator=g)
+    k, v = (torch.randn(batch.total_tokens, 2, 8, generator=g) for _ in range(2))  # 2 KV groups
+    out = attn(q, k, v, None, packed_seq_params=p).reshape(batch.total_tokens, 4, 8)
+    for start, span, n in zip(batch.cu_seqlens_padded.tolist(), batch.padded_lengths, batch.seq_lengths, strict=False):
+        ref = naive_causal_attention(q[start : start + n], k[start : start + n], v[start : start + n])
+        torch.testing.assert_close(out[start : start + n], ref, rtol=1e-5, atol=1e-6)
+        assert out[start + n : start + span].abs().sum() == 0
+
+
+def test_bshd_attention_is_causal_per_row():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    attn = PackedCoreAttention(tiny_attention_config(), 1, AttnMaskType.causal)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(6, 3, 4, 8, generator=g) for _ in range(3))
+    out = attn(q, k, v, None).reshape(6, 3, 4, 8)
+    for b in range(3):
+        torch.testing.assert_close(out[:, b], naive_causal_attention(q[:, b], k[:, b], v[:, b]), rtol=1e-5, atol=1e-6)
+
+
+def test_attention_rejects_what_it_does_not_implement():
+    from megatron.core.transformer.enums import AttnMaskType
+
+    with pytest.raises(ValueError, match="causal attention only"):
+        attn = PackedCoreAttention(tiny_attention_config(), 1, AttnMaskType.no_mask)
+        attn(torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8), None)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        PackedCoreAttention(tiny_attention_config(), 1, AttnMaskType.causal, backend="flash9")
+    if not compat.varlen_attn_available():
+        attn = PackedCoreAttention(tiny_attention_config(), 1, AttnMaskType.causal, backend="varlen")
+        batch = make_batch(PaddingRule())
+        with pytest.raises(RuntimeError, match="varlen_attn and a CUDA device"):
+            attn(
+                torch.zeros(7, 4, 8),
+                torch.zeros(7, 4, 8),
+                torch.zeros(7, 4, 8),
+                None,
+                packed_seq_params=to_packed_seq_params(batch),
+            )
+
+
+def test_layer_spec_uses_packed_attention_without_te():
+    spec = get_packed_gpt_layer_spec("auto")
+    core = spec.submodules.self_attention.submodules.core_attention
+    if compat.te_available():
+        pytest.skip("TransformerEngine is installed: 'auto' picks TE's spec")
+    assert core.module is PackedCoreAttention
+    assert resolve_attention_backend("auto") == "local"
+    with pytest.raises(ImportError, match="needs TransformerEngine"):
+        get_packed_gpt_layer_spec("te")
+    with pytest.raises(ValueError, match="'auto', 'te' or 'local'"):
+        resolve_attention_backend("cudnn")
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("cp", [2, 4])
+def test_cp_round_trips_and_bshd_cp_attention(cp):
+    cases = [[[1, 2, 3], [4], list(range(10, 27))], [list(range(1, 40))], [[5] * 8, [6] * 3]]
+    report = run_distributed("tests.megatron_workers:cp_roundtrip_worker", cp, cases=cases)[0]
+    assert all(report["thd_roundtrip"]) and report["bshd_roundtrip"]
+    assert report["bshd_attention_err"] < 1e-5 and report["bshd_grad_err"] < 1e-5, report
