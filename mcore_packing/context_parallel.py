@@ -123,6 +123,11 @@ def slice_for_cp(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
     """The part of a packed micro-batch that CP rank ``cp_rank`` processes (cu_seqlens stay global)."""
     if batch.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}); slice the whole packed batch.")
+    if batch.tokens.shape[-1] != batch.total_tokens:
+        raise ValueError(
+            f"batch has {batch.tokens.shape[-1]} tokens but its cu_seqlens_padded ends at {batch.total_tokens}; "
+            "rebuild it with build_packed_batch so the tensors and offsets agree."
+        )
     if cp_size == 1:
         _check_cp(cp_size, cp_rank)
         return batch

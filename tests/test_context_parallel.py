@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -91,6 +92,9 @@ def test_slice_for_cp_keeps_global_cu_seqlens_and_refuses_double_slicing():
         slice_for_cp(local, 2, 0)
     with pytest.raises(ValueError, match="not divisible"):
         slice_for_cp(build_packed_batch([SequenceSample([1, 2, 3])]), 2, 0)
+    truncated = dataclasses.replace(b, tokens=b.tokens[:, :-4])
+    with pytest.raises(ValueError, match="tokens but its cu_seqlens_padded ends at"):
+        slice_for_cp(truncated, 2, 0)
 
 
 def test_bshd_partition():
