@@ -172,9 +172,7 @@ def _run(args: argparse.Namespace) -> int:
         except ValueError as exc:
             raise PlanInputError(str(exc)) from None
 
-    whole = PackingMetrics.compute(
-        lengths, get_packer(algorithms[0], args.capacity).pack_bins(lengths), args.capacity
-    )
+    whole = PackingMetrics.compute(lengths, get_packer(algorithms[0], args.capacity).pack_bins(lengths), args.capacity)
     rows = [
         plan_global_batches(
             lengths,

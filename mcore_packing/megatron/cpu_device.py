@@ -7,7 +7,9 @@ buffers in tensor-parallel layers, mappings, ``utils.GlobalMemoryBuffer`` and th
 
 The adapter replaces the module-global name ``torch`` inside exactly those Megatron modules with a proxy:
 tensor factories given a CUDA (or integer) device allocate on the CPU, ``torch.cuda.current_device()``
-returns the CPU device and ``torch.cuda.synchronize()`` does nothing. Everything else passes through to
+returns the CPU device and ``torch.cuda.synchronize()`` does nothing. A factory asked for pinned memory
+(BSHD RoPE's CP index, ``torch.tensor(..., pin_memory=True).cuda()``) returns an unpinned CPU tensor
+whose ``.cuda()`` stays on the CPU. Everything else passes through to
 the real torch, which is never modified. Every redirected call site is recorded, so a test can pin the
 exact set to the installed megatron-core and an upgrade cannot silently change it.
 
@@ -30,6 +32,7 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.rope_utils",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.utils",
@@ -50,6 +53,13 @@ def _is_cuda_device(device) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     return isinstance(device, str) and device.startswith("cuda")
+
+
+class _HostTensor(torch.Tensor):
+    """A CPU tensor whose ``.cuda()`` returns itself as a plain tensor (no GPU to move to)."""
+
+    def cuda(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
 
 
 class _CudaProxy:
@@ -86,6 +96,10 @@ class _TorchProxy:
             if _is_cuda_device(kwargs.get("device")):
                 adapter._record(module, name)
                 kwargs["device"] = _CPU
+            if kwargs.get("pin_memory"):
+                adapter._record(module, f"{name}(pin_memory)")
+                kwargs["pin_memory"] = False
+                return real(*args, **kwargs).as_subclass(_HostTensor)
             return real(*args, **kwargs)
 
         factory.__name__ = name

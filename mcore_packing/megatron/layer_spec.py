@@ -1,12 +1,47 @@
-"""A GPT layer spec with attention that honours packed (THD) batches in every environment."""
+"""GPT layer and block specs with attention that honours packed (THD) batches in every environment.
+
+Without TransformerEngine the local spec gets `PackedCoreAttention` and torch norms whose parameters are
+tagged for sequence parallelism (Megatron's own torch-norm wrapper refuses sequence parallelism, and
+``finalize_model_grads`` all-reduces only tagged norm grads over TP). Parameter names are unchanged, so
+checkpoints load either way.
+"""
 
 from __future__ import annotations
 
 import copy
 
+import torch
+
 from ..compat import require_megatron, te_available
 
-__all__ = ["get_packed_gpt_layer_spec", "resolve_attention_backend"]
+__all__ = [
+    "LocalLayerNorm",
+    "LocalRMSNorm",
+    "get_packed_gpt_block_spec",
+    "get_packed_gpt_layer_spec",
+    "resolve_attention_backend",
+]
+
+
+def _tag_sequence_parallel(module: torch.nn.Module, config) -> None:
+    for param in module.parameters():
+        param.sequence_parallel = bool(getattr(config, "sequence_parallel", False))
+
+
+class LocalLayerNorm(torch.nn.LayerNorm):
+    """torch LayerNorm built the way Megatron builds norms, usable with sequence parallelism."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps)
+        _tag_sequence_parallel(self, config)
+
+
+class LocalRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm built the way Megatron builds norms, usable with sequence parallelism."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(hidden_size, eps=eps)
+        _tag_sequence_parallel(self, config)
 
 
 def resolve_attention_backend(backend: str = "auto") -> str:
@@ -49,4 +84,27 @@ def get_packed_gpt_layer_spec(
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=PackedCoreAttention, params={"backend": attention}
     )
+    norm = LocalRMSNorm if normalization == "RMSNorm" else LocalLayerNorm
+    spec.submodules.input_layernorm = norm
+    spec.submodules.pre_mlp_layernorm = norm
     return spec
+
+
+def get_packed_gpt_block_spec(config, backend: str = "auto", *, vp_stage: int | None = None, attention: str = "auto"):
+    """The decoder block spec (this pipeline stage's layers plus the final norm) for ``GPTModel``.
+
+    Prefer this over the layer spec with the local backend: it makes the final norm sequence-parallel-safe
+    too. ``config.normalization`` picks LayerNorm or RMSNorm.
+    """
+    require_megatron()
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    normalization = getattr(config, "normalization", "LayerNorm")
+    if resolve_attention_backend(backend) == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
+    layer = get_packed_gpt_layer_spec("local", normalization=normalization, attention=attention)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    norm = LocalRMSNorm if normalization == "RMSNorm" else LocalLayerNorm
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)

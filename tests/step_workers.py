@@ -1,0 +1,314 @@
+"""Workers for the step-equivalence tests (they run inside spawned gloo ranks).
+
+Reference (`reference_worker`, one process): Megatron's stock GPTModel at TP=PP=CP=1 (local spec,
+DotProductAttention, BSHD), ONE SEQUENCE PER FORWARD, loss computed with plain torch cross entropy and
+normalized over the whole global batch. It shares no code with mcore_packing.
+
+Under test (`step_worker`): the same weights, sharded for (TP, PP, CP, DP), the packed/dynamic planner,
+batch builder, attention, loss and driver, through Megatron's real schedules and DDP.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+
+VOCAB = 96
+NUM_LAYERS = 4
+
+
+def model_config(*, tp=1, pp=1, cp=1, sp=False, variable_seq_lengths=False, per_token_loss=False):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
+    return TransformerConfig(
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sp,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        variable_seq_lengths=variable_seq_lengths,
+        calculate_per_token_loss=per_token_loss,
+        **extra,
+    )
+
+
+def build_gpt(config, spec, *, pre_process=True, post_process=True):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=VOCAB,
+        max_sequence_length=512,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        pre_process=pre_process,
+        post_process=post_process,
+    )
+
+
+def _init(tp=1, pp=1, cp=1):
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+    )
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
+
+
+def reference_worker(rank, world_size, samples, normalizations=("token_mean", "sequence_mean")):
+    """Full model; loss per normalization over unpacked sequences; grads, loss and log-probs."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mcore_packing.megatron import cpu_device_adapter
+
+    _init()
+    out = {}
+    with cpu_device_adapter():
+        torch.manual_seed(0)
+        model = build_gpt(model_config(), get_gpt_layer_local_spec())
+        out["state_dict"] = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+        tokens = [torch.tensor(s["tokens"]) for s in samples]
+        masks = [torch.tensor(s["loss_mask"], dtype=torch.float32) for s in samples]
+        valid = [m[1:].sum() for m in masks]
+        total_tokens = sum(valid)
+        total_sequences = sum(int(v > 0) for v in valid)
+        logprobs = []
+        for norm in normalizations:
+            model.zero_grad(set_to_none=True)
+            loss = torch.zeros(())
+            for t, m, v in zip(tokens, masks, valid, strict=True):
+                n = t.numel()
+                causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+                logits = model(t[None], torch.arange(n)[None], causal)[0]
+                nll = F.cross_entropy(logits[:-1], t[1:], reduction="none")
+                if norm == "token_mean":
+                    loss = loss + (nll * m[1:]).sum() / total_tokens
+                elif v > 0:
+                    loss = loss + (nll * m[1:]).sum() / v / total_sequences
+                if norm == normalizations[0]:
+                    logprobs.append((-nll).detach())
+            loss.backward()
+            out[norm] = {
+                "loss": float(loss),
+                "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            }
+        out["logprobs"] = logprobs
+    return out
+
+
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+
+
+def _global_name(name: str, layer_offset: int) -> str:
+    name = name.removeprefix("module.")
+    return _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + layer_offset}.", name)
+
+
+def load_sharded(model, state_dict, tp_rank: int, tp_size: int, layer_offset: int) -> None:
+    """Copy the full reference weights into this rank's TP shard / PP stage."""
+    for name, param in model.named_parameters():
+        full = state_dict[_global_name(name, layer_offset)]
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        assert full.shape == param.shape, (name, full.shape, param.shape)
+        with torch.no_grad():
+            param.copy_(full)
+
+
+def collect_full_grads(model, layer_offset: int) -> dict:
+    """Full (TP-gathered) grads of this stage, keyed by global name; the same on every TP rank."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.main_grad if getattr(param, "main_grad", None) is not None else param.grad
+        grad = grad.detach().clone().float()
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            parts = [torch.empty_like(grad) for _ in range(tp_size)]
+            dist.all_gather(parts, grad.contiguous(), group=tp_group)
+            grad = torch.cat(parts, dim=param.partition_dim)
+        grads[_global_name(name, layer_offset)] = grad
+    return grads
+
+
+def _apply_negative_control(kind: str | None):
+    """Break one thing on purpose; the equivalence check must then fail."""
+    import mcore_packing.schedule as schedule
+    from mcore_packing import loss as loss_module
+
+    if kind is None:
+        return
+    if kind == "no_global_normalization":
+        # Normalize by this rank's own token count instead of the all-reduced global count.
+        class LocalTotals(loss_module.StepTotals):
+            @classmethod
+            def all_reduce(cls, tokens, sequences, group):
+                return loss_module.StepTotals.all_reduce.__func__(cls, tokens, sequences, None)
+
+        schedule.StepTotals = LocalTotals
+    elif kind == "no_cp_factor":
+        original = schedule.megatron_loss_output
+
+        def without_cp(weighted_sum, **kwargs):
+            from megatron.core import parallel_state as ps
+
+            return original(weighted_sum / ps.get_context_parallel_world_size(), **kwargs)
+
+        schedule.megatron_loss_output = without_cp
+    elif kind == "contiguous_cp_split":
+        from dataclasses import replace
+
+        def contiguous_slice(batch, cp_size, cp_rank):
+            if cp_size == 1:
+                return batch
+            per = batch.total_tokens // cp_size
+            sl = slice(cp_rank * per, (cp_rank + 1) * per)
+            return replace(
+                batch,
+                tokens=batch.tokens[:, sl],
+                labels=batch.labels[:, sl],
+                loss_mask=batch.loss_mask[:, sl],
+                position_ids=batch.position_ids[:, sl],
+                cp_size=cp_size,
+                cp_rank=cp_rank,
+            )
+
+        def contiguous_index(cu, total, cp_size, cp_rank):
+            per = int(total) // cp_size
+            return torch.arange(cp_rank * per, (cp_rank + 1) * per)
+
+        schedule.slice_for_cp = contiguous_slice
+        schedule.thd_partition_indices = contiguous_index
+    else:
+        raise ValueError(kind)
+
+
+def step_worker(rank, world_size, configs, samples, state_dict):
+    """Run every config (dicts with tp, pp, cp, mode, ...) on this world; rank 0 returns the results."""
+    import importlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    import mcore_packing.schedule as schedule
+    from mcore_packing.batch import SequenceSample
+    from mcore_packing.megatron import cpu_device_adapter, get_packed_gpt_block_spec
+    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.schedule import ParallelGroups, compute_logprobs, run_step
+
+    seq_samples = [SequenceSample(s["tokens"], s["loss_mask"]) for s in samples]
+    lengths = [len(s["tokens"]) for s in samples]
+    results = []
+    for cfg in configs:
+        importlib.reload(schedule)  # undo any negative-control patch of the previous config
+        _apply_negative_control(cfg.get("negative"))
+        tp, pp, cp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1)
+        _init(tp, pp, cp)
+        dp = world_size // (tp * pp * cp)
+        sp = cfg.get("sp", False)
+        vsl = cfg.get("variable_seq_lengths", False)
+        with cpu_device_adapter() as adapter:
+            config = model_config(
+                tp=tp, pp=pp, cp=cp, sp=sp, variable_seq_lengths=vsl, per_token_loss=cfg.get("per_token_loss", False)
+            )
+            torch.manual_seed(0)
+            module = build_gpt(
+                config,
+                get_packed_gpt_block_spec(config, "local"),
+                pre_process=ps.is_pipeline_first_stage(),
+                post_process=ps.is_pipeline_last_stage(),
+            )
+            layer_offset = ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp)
+            load_sharded(module, state_dict, ps.get_tensor_model_parallel_rank(), tp, layer_offset)
+            ddp = DistributedDataParallel(
+                config,
+                DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+                module,
+            )
+            config.finalize_model_grads_func = finalize_model_grads
+            config.no_sync_func = ddp.no_sync
+            ddp.zero_grad_buffer()
+            plan_config = StepPlanConfig(
+                mode=cfg.get("mode", "packing"),
+                train_mb_tokens=cfg.get("train_mb_tokens", 96),
+                dp_size=dp,
+                tp_size=tp,
+                pp_size=pp,
+                cp_size=cp,
+                sequence_parallel=sp,
+                fixed_length=None if not vsl else False,
+                microbatch_order=cfg.get("microbatch_order", "packer"),
+            )
+            groups = ParallelGroups.from_megatron()
+            plan = plan_step(lengths, plan_config)
+            result = run_step(
+                ddp, seq_samples, plan, groups, normalization=cfg.get("normalization", "token_mean"), device="cpu"
+            )
+            grads = collect_full_grads(ddp, layer_offset)
+            logprobs = None
+            if cfg.get("logprobs"):
+                logprob_plan = plan_step(lengths, plan_config, forward_only=True)
+                logprobs = compute_logprobs(ddp, seq_samples, logprob_plan, groups, device="cpu")
+        # Stage grads from (dp, cp, tp) rank 0 of every stage, merged on global rank 0.
+        mine = grads if (ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0) else {}
+        if ps.get_tensor_model_parallel_rank() != 0:
+            mine = {}
+        gathered = [None] * world_size
+        sites = sorted(adapter.call_sites) if adapter is not None else []
+        dist.all_gather_object(gathered, {"grads": mine, "loss": result.loss, "call_sites": sites})
+        merged = {}
+        for item in gathered:
+            merged.update(item["grads"])
+        losses = [item["loss"] for item in gathered if item["loss"] is not None]
+        results.append(
+            {
+                "config": cfg,
+                "loss": losses[0],
+                "all_losses_equal": len(set(losses)) == 1,
+                "grads": merged,
+                "num_microbatches": result.num_microbatches,
+                "logprobs": logprobs,
+                "call_sites": sorted({tuple(site) for item in gathered for site in item["call_sites"]}),
+            }
+        )
+        ps.destroy_model_parallel()
+    return results if rank == 0 else None
+
+
+def plan_mismatch_worker(rank, world_size):
+    """Rank 1 plans a different global batch; both ranks must raise, not hang."""
+    import torch.distributed as dist
+
+    from mcore_packing.planning import StepPlanConfig, plan_step, verify_plan_across_ranks
+
+    lengths = [10, 20, 30, 40] + ([5] if rank == 1 else [])
+    plan = plan_step(lengths, StepPlanConfig(train_mb_tokens=64, dp_size=world_size))
+    try:
+        verify_plan_across_ranks(plan, dist.group.WORLD)
+    except ValueError as exc:
+        message = str(exc)
+    else:
+        message = None
+    same = plan_step([10, 20, 30, 40], StepPlanConfig(train_mb_tokens=64, dp_size=world_size))
+    verify_plan_across_ranks(same, dist.group.WORLD)  # agreeing ranks pass
+    return message

@@ -1,0 +1,124 @@
+"""Step plans: equal micro-batch counts per DP rank, every sample exactly once, budgets respected."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mcore_packing.planning import StepPlanConfig, plan_step
+
+
+@st.composite
+def plan_cases(draw):
+    mode = draw(st.sampled_from(["packing", "dynamic"]))
+    cp = draw(st.sampled_from([1, 2, 4]))
+    tp = draw(st.sampled_from([1, 2]))
+    sp = draw(st.booleans()) and tp > 1
+    dp = draw(st.integers(1, 4))
+    budget = draw(st.integers(32, 300))
+    config = StepPlanConfig(
+        mode=mode,
+        train_mb_tokens=budget,
+        dp_size=dp,
+        cp_size=cp,
+        tp_size=tp,
+        sequence_parallel=sp,
+        sequence_length_round=draw(st.sampled_from([1, 8])),
+        microbatch_order=draw(st.sampled_from(["packer", "largest_first"])),
+        algorithm=draw(st.sampled_from(["mffd", "ffd", "concatenative"])),
+        pp_size=draw(st.sampled_from([1, 2])),
+    )
+    capacity = config.row_capacity()
+    multiple = config.length_multiple
+    max_len = max(1, capacity - multiple + 1) if capacity >= multiple else 1
+    lengths = draw(st.lists(st.integers(1, max(1, min(max_len, 200))), min_size=dp * 4, max_size=60))
+    return config, lengths
+
+
+@settings(max_examples=120, deadline=None)
+@given(plan_cases())
+def test_plan_invariants(case):
+    config, lengths = case
+    plan = plan_step(lengths, config)
+    counts = {len(rank) for rank in plan.micro_batches}
+    assert len(plan.micro_batches) == config.dp_size and len(counts) == 1  # equal counts per DP rank
+    order = plan.sample_order()
+    assert sorted(order.tolist()) == list(range(len(lengths)))  # every sample exactly once
+    assert np.array_equal(order[plan.inverse_permutation()], np.arange(len(lengths)))  # restores input order
+    capacity = config.row_capacity()
+    for rank in plan.micro_batches:
+        for mb in rank:
+            assert mb.padded_tokens <= capacity  # budget respected (per GPU x cp)
+            assert mb.padded_tokens // config.cp_size <= config.train_mb_tokens
+            assert mb.real_tokens == sum(lengths[i] for i in mb.sample_indices)
+            if config.mode == "dynamic":
+                assert mb.shape[0] == len(mb.sample_indices)
+                assert all(lengths[i] <= mb.shape[1] for i in mb.sample_indices)
+                assert mb.shape[1] % config.length_multiple == 0
+            else:
+                assert mb.shape[1] % config.padding_rule.total_multiple == 0
+                if config.use_fixed_length:
+                    assert mb.shape[1] == capacity
+        if config.microbatch_order == "largest_first":
+            sizes = [mb.padded_tokens for mb in rank]
+            assert sizes == sorted(sizes, reverse=True)
+
+
+def test_same_inputs_same_plan_and_fingerprint():
+    config = StepPlanConfig(train_mb_tokens=128, dp_size=2)
+    lengths = list(np.random.default_rng(0).integers(1, 100, 40))
+    a, b = plan_step(lengths, config), plan_step(list(lengths), config)
+    assert a == b and a.fingerprint() == b.fingerprint()
+    assert a.fingerprint() != plan_step([*lengths[:-1], 7], config).fingerprint()
+
+
+def test_dynamic_micro_batches_hold_similar_lengths():
+    lengths = [5, 100, 7, 98, 6, 99, 8, 97]
+    plan = plan_step(lengths, StepPlanConfig(mode="dynamic", train_mb_tokens=256))
+    groups = [sorted(lengths[i] for i in mb.sample_indices) for mb in plan.micro_batches[0]]
+    assert all(max(g) - min(g) <= 3 for g in groups), groups
+
+
+def test_logprob_budget_is_used_for_forward_only():
+    lengths = [30] * 16
+    config = StepPlanConfig(train_mb_tokens=64, logprob_mb_tokens=256)
+    assert plan_step(lengths, config).num_microbatches == 8
+    assert plan_step(lengths, config, forward_only=True).num_microbatches == 2
+
+
+@pytest.mark.parametrize(
+    "kwargs, lengths, fragment",
+    [
+        ({"train_mb_tokens": 100}, [50, 120], "train_mb_tokens=100 (x cp=1: 100 tokens per micro-batch) is smaller"),
+        ({"train_mb_tokens": 64, "cp_size": 2}, [130], "Raise train_mb_tokens to at least 66"),
+        ({"train_mb_tokens": 100, "logprob_mb_tokens": 50}, [60], "logprob_mb_tokens=50"),
+        ({"mode": "dynamic", "dp_size": 4, "train_mb_tokens": 10}, [9, 9], "same number of micro-batches"),
+        ({"dp_size": 4}, [9, 9], "Cannot create 4 bins with only 2 sequences"),
+        ({}, [], "global batch is empty"),
+    ],
+)
+def test_bad_plans(kwargs, lengths, fragment):
+    config = StepPlanConfig(**kwargs)
+    with pytest.raises(ValueError) as err:
+        plan_step(lengths, config, forward_only="logprob_mb_tokens" in kwargs)
+    assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"mode": "both"}, "Pick one"),
+        ({"microbatch_order": "random"}, "microbatch_order"),
+        ({"train_mb_tokens": 0}, "train_mb_tokens must be an integer >= 1"),
+        ({"dp_size": 0}, "dp_size"),
+        ({"algorithm": "magic"}, "Valid names"),
+        ({"mode": "dynamic", "fixed_length": True}, "fixed_length applies to packing"),
+        ({"logprob_mb_tokens": -3}, "logprob_mb_tokens"),
+    ],
+)
+def test_bad_configs(kwargs, fragment):
+    with pytest.raises(ValueError) as err:
+        StepPlanConfig(**kwargs)
+    assert fragment in str(err.value)

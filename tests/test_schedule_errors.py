@@ -1,0 +1,69 @@
+"""Bad input to the step driver and planner configs fails with a clear error (and never hangs)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from mcore_packing.batch import SequenceSample
+from mcore_packing.planning import StepPlanConfig, plan_step
+from mcore_packing.schedule import _check_samples, _check_schedule_config, _sequence_loss_sum
+
+from .distributed_harness import run_distributed
+
+
+@pytest.mark.multirank
+def test_ranks_with_different_plans_raise_instead_of_hanging():
+    messages = run_distributed("tests.step_workers:plan_mismatch_worker", 2, timeout=120)
+    assert all(m is not None and "Step plans differ across ranks" in m for m in messages), messages
+
+
+def test_dynamic_with_pp_needs_variable_seq_lengths():
+    plan = plan_step([5, 9, 12, 3], StepPlanConfig(mode="dynamic", train_mb_tokens=32, pp_size=2))
+    with pytest.raises(ValueError, match="Dynamic batching with pipeline parallelism needs variable"):
+        _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=False))
+    _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=True))
+    plan = plan_step([5, 9], StepPlanConfig(train_mb_tokens=32, pp_size=2, fixed_length=False))
+    with pytest.raises(ValueError, match="fixed_length=True"):
+        _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=False))
+
+
+def test_samples_must_match_the_plan():
+    plan = plan_step([3, 4], StepPlanConfig(train_mb_tokens=32))
+    with pytest.raises(ValueError, match="the plan covers 2 samples but 1 were given"):
+        _check_samples([SequenceSample([1, 2, 3])], plan)
+    with pytest.raises(ValueError, match="sample 1 has 5 tokens but the plan says 4"):
+        _check_samples([SequenceSample([1, 2, 3]), SequenceSample([1, 2, 3, 4, 5])], plan)
+
+
+def test_sequence_loss_with_wrong_shape_names_what_was_expected():
+    from mcore_packing.batch import PaddingRule, build_packed_batch
+    from mcore_packing.loss import StepTotals
+
+    batch = build_packed_batch([SequenceSample([1, 2, 3]), SequenceSample([4, 5])], PaddingRule())
+    prep = types.SimpleNamespace(full_batch=batch)
+    groups = types.SimpleNamespace(cp_size=1)
+    output = torch.rand(1, batch.total_tokens)
+    with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor for each sequence, got \(2,\)"):
+        _sequence_loss_sum(prep, output, lambda lp, m: lp * m, groups, StepTotals(3, 2))
+    value = _sequence_loss_sum(prep, output, lambda lp, m: (lp * m).sum(), groups, StepTotals(3, 2))
+    assert value.dim() == 0
+
+
+def test_nemo_rl_sections():
+    config = StepPlanConfig.from_nemo_rl(
+        sequence_packing={"enabled": True, "train_mb_tokens": 512, "algorithm": "modified_first_fit_decreasing"},
+        dynamic_batching={"enabled": False},
+        dp_size=2,
+    )
+    assert config.mode == "packing" and config.train_mb_tokens == 512 and config.dp_size == 2
+    config = StepPlanConfig.from_nemo_rl(dynamic_batching={"enabled": True, "train_mb_tokens": 256})
+    assert config.mode == "dynamic"
+    with pytest.raises(ValueError, match=r"both true\. They are two ways"):
+        StepPlanConfig.from_nemo_rl(sequence_packing={"enabled": True}, dynamic_batching={"enabled": True})
+    with pytest.raises(ValueError, match=r"Unknown key\(s\) \['algorithm'\] in dynamic_batching"):
+        StepPlanConfig.from_nemo_rl(dynamic_batching={"enabled": True, "algorithm": "ffd"})
+    with pytest.raises(ValueError, match="enable one"):
+        StepPlanConfig.from_nemo_rl()
