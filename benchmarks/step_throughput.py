@@ -1,0 +1,164 @@
+"""Training-step throughput on CPU: pad-to-longest vs dynamic batching vs packing, one run, same batches.
+
+A small real Megatron GPTModel runs forward+backward of whole global batches through
+`mcore_packing.schedule.run_step` (Megatron's own schedule). Three ways to cut each global batch:
+
+- padded: consecutive samples in micro-batches of ``--padded-rows`` rows, each padded to its longest
+  (the usual pad-to-longest data loader);
+- dynamic: `plan_step(mode="dynamic")`, similar lengths together under ``--mb-tokens``;
+- packing: `plan_step(mode="packing")`, THD rows of ``--mb-tokens``.
+
+Throughput = real (unpadded) tokens / wall time of the step. The ratios packed/padded and
+dynamic/padded are taken in the same run on the same global batches.
+
+    python benchmarks/step_throughput.py                 # about 3-4 minutes on 2 cores
+    python benchmarks/step_throughput.py --quick         # a smoke run (seconds)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+
+import numpy as np
+
+
+def global_batches(distribution: str, num_batches: int, batch_size: int, max_len: int, seed: int) -> list:
+    from mcore_packing.data import sample_lengths
+
+    rng = np.random.default_rng(seed)
+    batches = []
+    for b in range(num_batches):
+        if distribution == "real:champ/10":
+            # CHAMP conversation lengths scaled by 1/10 (max 925) so a CPU step takes seconds.
+            lengths = np.maximum(1, sample_lengths("real:champ", batch_size, 16384, seed=seed + b) // 10)
+        else:
+            lengths = sample_lengths(distribution, batch_size, max_len, seed=seed + b)
+        batches.append([rng.integers(0, 1000, int(n)).tolist() for n in lengths])
+    return batches
+
+
+def padded_plan(lengths, rows: int, config):
+    from mcore_packing.planning import MicroBatchPlan, StepPlan
+
+    micro = []
+    for lo in range(0, len(lengths), rows):
+        idx = tuple(range(lo, min(lo + rows, len(lengths))))
+        width = max(lengths[i] for i in idx)
+        micro.append(MicroBatchPlan(idx, (len(idx), width), sum(lengths[i] for i in idx)))
+    return StepPlan(config=config, forward_only=False, lengths=tuple(lengths), micro_batches=(tuple(micro),))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--distributions", nargs="+", default=["lognormal", "real:champ/10"])
+    parser.add_argument("--batch-size", type=int, default=64, help="samples per global batch")
+    parser.add_argument("--max-len", type=int, default=1024, help="longest synthetic sample")
+    parser.add_argument("--mb-tokens", type=int, default=4096, help="train_mb_tokens for dynamic and packing")
+    parser.add_argument("--padded-rows", type=int, default=8, help="rows per padded micro-batch")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per mode (after one warm-up)")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch_size, args.max_len, args.mb_tokens, args.steps = 8, 128, 512, 1
+        args.distributions = args.distributions[:1]
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
+    import torch
+    import torch.distributed as dist
+
+    from mcore_packing.batch import SequenceSample
+    from mcore_packing.megatron import cpu_device_adapter
+    from mcore_packing.megatron.model import GPTShape, build_gpt_model, initialize_parallel
+    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.schedule import ParallelGroups, run_step
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    initialize_parallel()
+    shape = GPTShape(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        vocab_size=args.vocab,
+        max_sequence_length=max(args.max_len, 1024) * 2,
+    )
+    config = {
+        **vars(args),
+        "torch_threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU" if not torch.cuda.is_available() else "GPU",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    print("config:", json.dumps(config))
+    rows = []
+    with cpu_device_adapter():
+        model, _ = build_gpt_model(shape)
+        groups = ParallelGroups.from_megatron()
+        for distribution in args.distributions:
+            batches = global_batches(distribution, args.steps + 1, args.batch_size, args.max_len, args.seed)
+            result = {"distribution": distribution}
+            for mode in ("padded", "dynamic", "packing"):
+                times, real, computed = [], 0, 0
+                for step, batch in enumerate(batches):
+                    samples = [SequenceSample(t) for t in batch]
+                    lengths = [len(t) for t in batch]
+                    plan_config = StepPlanConfig(
+                        mode="dynamic" if mode != "packing" else "packing", train_mb_tokens=args.mb_tokens
+                    )
+                    plan = (
+                        padded_plan(lengths, args.padded_rows, plan_config)
+                        if mode == "padded"
+                        else plan_step(lengths, plan_config)
+                    )
+                    model.zero_grad_buffer()
+                    start = time.perf_counter()
+                    out = run_step(model, samples, plan, groups, device="cpu", verify=False)
+                    elapsed = time.perf_counter() - start
+                    if step > 0:  # the first step warms up allocator and kernels
+                        times.append(elapsed)
+                        real += out.real_tokens
+                        computed += out.padded_tokens
+                seconds = sum(times)
+                result[mode] = {
+                    "tokens_per_s": real / seconds,
+                    "step_s_median": statistics.median(times),
+                    "useful_share": real / computed,
+                }
+                print(
+                    f"{distribution:<14} {mode:<8} {real / seconds:>9.0f} tokens/s  "
+                    f"useful share {real / computed:.3f}  median step {statistics.median(times):.2f}s",
+                    flush=True,
+                )
+            result["packed_over_padded"] = result["packing"]["tokens_per_s"] / result["padded"]["tokens_per_s"]
+            result["dynamic_over_padded"] = result["dynamic"]["tokens_per_s"] / result["padded"]["tokens_per_s"]
+            print(
+                f"{distribution:<14} ratios: packed/padded = {result['packed_over_padded']:.2f}x, "
+                f"dynamic/padded = {result['dynamic_over_padded']:.2f}x",
+                flush=True,
+            )
+            rows.append(result)
+    if not args.quick:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"config": config, "results": rows}, f, indent=1)
+        print(f"wrote {args.out}")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
