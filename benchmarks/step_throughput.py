@@ -44,17 +44,6 @@ def global_batches(distribution: str, num_batches: int, batch_size: int, max_len
     return batches
 
 
-def padded_plan(lengths, rows: int, config):
-    from mcore_packing.planning import MicroBatchPlan, StepPlan
-
-    micro = []
-    for lo in range(0, len(lengths), rows):
-        idx = tuple(range(lo, min(lo + rows, len(lengths))))
-        width = max(lengths[i] for i in idx)
-        micro.append(MicroBatchPlan(idx, (len(idx), width), sum(lengths[i] for i in idx)))
-    return StepPlan(config=config, forward_only=False, lengths=tuple(lengths), micro_batches=(tuple(micro),))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--distributions", nargs="+", default=["lognormal", "real:champ/10"])
@@ -117,13 +106,9 @@ def main(argv=None) -> int:
                     samples = [SequenceSample(t) for t in batch]
                     lengths = [len(t) for t in batch]
                     plan_config = StepPlanConfig(
-                        mode="dynamic" if mode != "packing" else "packing", train_mb_tokens=args.mb_tokens
+                        mode=mode, train_mb_tokens=max(args.mb_tokens, args.max_len), padded_rows=args.padded_rows
                     )
-                    plan = (
-                        padded_plan(lengths, args.padded_rows, plan_config)
-                        if mode == "padded"
-                        else plan_step(lengths, plan_config)
-                    )
+                    plan = plan_step(lengths, plan_config)
                     model.zero_grad_buffer()
                     start = time.perf_counter()
                     out = run_step(model, samples, plan, groups, device="cpu", verify=False)

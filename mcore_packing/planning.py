@@ -16,6 +16,9 @@ Modes:
   ``sequence_length_round`` and 2*CP); micro-batches with the most rows are split until their count is a
   multiple of DP; then assigned to ranks like bins.
 
+- ``padded``: the baseline most loaders use: ``padded_rows`` consecutive samples per micro-batch, each
+  padded to its longest (for comparisons and for users who need it).
+
 Micro-batch order on a rank: ``packer`` (as planned) or ``largest_first`` (most tokens first; lets the
 caching allocator reuse the largest blocks).
 """
@@ -37,7 +40,7 @@ from .packing.validation import as_lengths
 
 __all__ = ["MODES", "ORDERS", "MicroBatchPlan", "StepPlan", "StepPlanConfig", "plan_step", "verify_plan_across_ranks"]
 
-MODES = ("packing", "dynamic")
+MODES = ("packing", "dynamic", "padded")
 ORDERS = ("packer", "largest_first")
 
 
@@ -71,12 +74,14 @@ class StepPlanConfig:
     sequence_parallel: bool = False
     fp8_alignment: int = 1
     fixed_length: bool | None = None
+    padded_rows: int = 4
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(
-                f"mode must be 'packing' or 'dynamic', got {self.mode!r}. Packing fills THD rows with whole "
-                "sequences; dynamic batching groups similar lengths into padded micro-batches. Pick one."
+                f"mode must be 'packing', 'dynamic' or 'padded', got {self.mode!r}. Packing fills THD rows with "
+                "whole sequences; dynamic batching groups similar lengths into padded micro-batches; padded is "
+                "the baseline (padded_rows consecutive samples padded to their longest). Pick one."
             )
         if self.microbatch_order not in ORDERS:
             raise ValueError(f"microbatch_order must be one of {ORDERS}, got {self.microbatch_order!r}.")
@@ -99,7 +104,7 @@ class StepPlanConfig:
         ):
             raise ValueError(f"logprob_mb_tokens must be an integer >= 1 or None, got {self.logprob_mb_tokens!r}.")
         resolve_algorithm(self.algorithm)
-        if self.mode == "dynamic" and self.fixed_length:
+        if self.mode != "packing" and self.fixed_length:
             raise ValueError("fixed_length applies to packing mode; dynamic micro-batches are padded per batch.")
 
     @classmethod
@@ -158,7 +163,7 @@ class StepPlanConfig:
         """Sequences are padded to this: the THD span multiple, or in dynamic mode the BSHD row multiple
         (sequence parallelism splits each row's CP shard over TP ranks)."""
         rule = self.padding_rule
-        if self.mode == "dynamic" and self.sequence_parallel and self.tp_size > 1:
+        if self.mode != "packing" and self.sequence_parallel and self.tp_size > 1:
             return math.lcm(rule.sequence_multiple, self.cp_size * self.tp_size)
         return rule.sequence_multiple
 
@@ -256,8 +261,10 @@ def plan_step(lengths: Sequence[int] | np.ndarray, config: StepPlanConfig, *, fo
         )
     if config.mode == "packing":
         groups, shapes = _plan_packing(lengths, padded, capacity, config, forward_only)
-    else:
+    elif config.mode == "dynamic":
         groups, shapes = _plan_dynamic(lengths, padded, capacity, config)
+    else:
+        groups, shapes = _plan_padded(lengths, padded, config)
     micro = [
         MicroBatchPlan(tuple(int(i) for i in g), shape, int(lengths[np.asarray(g)].sum()))
         for g, shape in zip(groups, shapes, strict=True)
@@ -299,13 +306,24 @@ def _plan_dynamic(lengths, padded, capacity, config):
         current.append(i)
         width = w
     groups.append(current)
-    dp = config.dp_size
-    if len(lengths) < -(-len(groups) // dp) * dp:
+    return _split_until_divisible(groups, padded, config.dp_size, len(lengths))
+
+
+def _plan_padded(lengths, padded, config):
+    """The baseline: ``padded_rows`` consecutive samples per micro-batch, padded to their longest."""
+    groups = [
+        list(range(lo, min(lo + config.padded_rows, len(lengths)))) for lo in range(0, len(lengths), config.padded_rows)
+    ]
+    return _split_until_divisible(groups, padded, config.dp_size, len(lengths))
+
+
+def _split_until_divisible(groups, padded, dp, num_samples):
+    """Split the micro-batches with the most rows until their count is a multiple of DP."""
+    if num_samples < -(-len(groups) // dp) * dp:
         raise ValueError(
-            f"Cannot give {dp} data-parallel ranks the same number of micro-batches with only {len(lengths)} "
+            f"Cannot give {dp} data-parallel ranks the same number of micro-batches with only {num_samples} "
             f"samples in the global batch (need at least {-(-len(groups) // dp) * dp})."
         )
-    # Split the micro-batches with the most rows until the count is a multiple of DP.
     heap = [(-len(g), k) for k, g in enumerate(groups)]
     heapq.heapify(heap)
     while len(groups) % dp:

@@ -12,7 +12,7 @@ from mcore_packing.planning import StepPlanConfig, plan_step
 
 @st.composite
 def plan_cases(draw):
-    mode = draw(st.sampled_from(["packing", "dynamic"]))
+    mode = draw(st.sampled_from(["packing", "dynamic", "padded"]))
     cp = draw(st.sampled_from([1, 2, 4]))
     tp = draw(st.sampled_from([1, 2]))
     sp = draw(st.booleans()) and tp > 1
@@ -50,10 +50,11 @@ def test_plan_invariants(case):
     capacity = config.row_capacity()
     for rank in plan.micro_batches:
         for mb in rank:
-            assert mb.padded_tokens <= capacity  # budget respected (per GPU x cp)
-            assert mb.padded_tokens // config.cp_size <= config.train_mb_tokens
+            if config.mode != "padded":  # the padded baseline has fixed rows, not a token budget
+                assert mb.padded_tokens <= capacity  # budget respected (per GPU x cp)
+                assert mb.padded_tokens // config.cp_size <= config.train_mb_tokens
             assert mb.real_tokens == sum(lengths[i] for i in mb.sample_indices)
-            if config.mode == "dynamic":
+            if config.mode != "packing":
                 assert mb.shape[0] == len(mb.sample_indices)
                 assert all(lengths[i] <= mb.shape[1] for i in mb.sample_indices)
                 assert mb.shape[1] % config.length_multiple == 0
@@ -79,6 +80,12 @@ def test_dynamic_micro_batches_hold_similar_lengths():
     plan = plan_step(lengths, StepPlanConfig(mode="dynamic", train_mb_tokens=256))
     groups = [sorted(lengths[i] for i in mb.sample_indices) for mb in plan.micro_batches[0]]
     assert all(max(g) - min(g) <= 3 for g in groups), groups
+
+
+def test_padded_baseline_keeps_data_order():
+    plan = plan_step([5, 9, 2, 7, 3], StepPlanConfig(mode="padded", padded_rows=2, train_mb_tokens=64))
+    assert [mb.sample_indices for mb in plan.micro_batches[0]] == [(0, 1), (2, 3), (4,)]
+    assert [mb.shape for mb in plan.micro_batches[0]] == [(2, 9), (2, 7), (1, 3)]
 
 
 def test_logprob_budget_is_used_for_forward_only():

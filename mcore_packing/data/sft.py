@@ -1,0 +1,155 @@
+"""SFT samples from real text: token ids and a loss mask per sample, ready for packing.
+
+Sources: the bundled CHAMP conversations (learn the model turns; system and user turns are masked out
+unless ``learn_prompt``) or a user JSONL file with a text field (every token learned).
+
+Tokens come from quicktok's bundled vocabulary, then map to a *compact* vocabulary: the
+``vocab_size - 1`` most frequent ids of the loaded samples keep a slot, the rest share ``<unk>`` (id 0).
+That keeps the demo model's embedding and output layer small; it changes which ids the model sees,
+never how many tokens a sample has.
+
+Samples longer than ``max_sample_tokens``: ``split`` into consecutive pieces (no token lost),
+``drop`` (counted and reported), or ``error``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..batch import SequenceSample
+from .real_text import get_tokenizer
+
+__all__ = ["SftData", "load_sft_data"]
+
+UNK_ID = 0
+
+
+@dataclass(frozen=True)
+class SftData:
+    samples: list[SequenceSample]
+    vocab_size: int
+    info: dict
+
+
+def _champ_segments(learn_prompt: bool) -> list[list[tuple[str, bool]]]:
+    import os
+
+    from champ_dataset import BASE_FOLDER
+
+    with open(os.path.join(str(BASE_FOLDER), "dataset_files", "v0.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    out = []
+    for problem_id in sorted(data["problems"]):
+        conversations = data["problems"][problem_id].get("conversations") or {}
+        for name in sorted(conversations):
+            segments = []
+            for m in conversations[name].get("messages") or []:
+                if not m.get("text"):
+                    continue
+                learned = learn_prompt or str(m["role"]).startswith("Model")
+                segments.append((f"{m['role']}: {m['text']}\n", learned))
+            if segments:
+                out.append(segments)
+    return out
+
+
+def _jsonl_segments(path: str, field: str) -> list[list[tuple[str, bool]]]:
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"data.path={path!r} does not exist; point it at a JSONL file.")
+    out = []
+    with file.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({exc.msg}).") from None
+            if field not in record:
+                raise ValueError(
+                    f"{path}:{line_no} has no field {field!r} (fields: {sorted(record)}); set data.text_field."
+                )
+            out.append([(str(record[field]), True)])
+    if not out:
+        raise ValueError(f"{path} holds no records; the data set is empty.")
+    return out
+
+
+def load_sft_data(
+    *,
+    source: str = "champ",
+    path: str | None = None,
+    text_field: str = "text",
+    encoding: str = "qwen3",
+    vocab_size: int = 4096,
+    num_samples: int | None = None,
+    long_samples: str = "split",
+    max_sample_tokens: int = 2048,
+    learn_prompt: bool = False,
+) -> SftData:
+    """Load, tokenize, compact the vocabulary and handle long samples (see the module docstring)."""
+    if source == "champ":
+        records = _champ_segments(learn_prompt)
+    elif source == "jsonl":
+        records = _jsonl_segments(path, text_field)
+    else:
+        raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
+    if num_samples is not None and num_samples < len(records):
+        # Evenly spaced over the corpus (CHAMP is ordered by problem), deterministic.
+        picks = np.linspace(0, len(records) - 1, num_samples).round().astype(int)
+        records = [records[i] for i in picks]
+    tokenizer = get_tokenizer(encoding)
+    token_lists, mask_lists = [], []
+    for segments in records:
+        ids, mask = [], []
+        for text, learned in segments:
+            piece = tokenizer.encode_ordinary(text) if hasattr(tokenizer, "encode_ordinary") else tokenizer.encode(text)
+            ids.extend(piece)
+            mask.extend([1.0 if learned else 0.0] * len(piece))
+        if ids:
+            token_lists.append(ids)
+            mask_lists.append(mask)
+    counts = Counter(t for ids in token_lists for t in ids)
+    keep = [t for t, _ in counts.most_common(vocab_size - 1)]
+    remap = {t: i + 1 for i, t in enumerate(keep)}
+    samples: list[SequenceSample] = []
+    dropped = split = 0
+    total_tokens = sum(len(ids) for ids in token_lists)
+    for ids, mask in zip(token_lists, mask_lists, strict=True):
+        compact = np.fromiter((remap.get(t, UNK_ID) for t in ids), dtype=np.int64, count=len(ids))
+        mask_arr = np.asarray(mask, dtype=np.float32)
+        if len(ids) <= max_sample_tokens:
+            samples.append(SequenceSample(compact, mask_arr))
+            continue
+        if long_samples == "error":
+            raise ValueError(
+                f"A sample has {len(ids)} tokens, over data.max_sample_tokens={max_sample_tokens}. Raise it, or set "
+                "data.long_samples=split (keeps every token in pieces) or drop."
+            )
+        if long_samples == "drop":
+            dropped += 1
+            continue
+        split += 1
+        for lo in range(0, len(ids), max_sample_tokens):
+            samples.append(SequenceSample(compact[lo : lo + max_sample_tokens], mask_arr[lo : lo + max_sample_tokens]))
+    if not samples:
+        raise ValueError("No samples are left after loading; check data.source/path and data.long_samples.")
+    unk = sum(c for t, c in counts.items() if t not in remap)
+    info = {
+        "source": source,
+        "num_records": len(records),
+        "num_samples": len(samples),
+        "num_tokens": total_tokens,
+        "long_samples_split": split,
+        "long_samples_dropped": dropped,
+        "vocab_size": vocab_size,
+        "unk_token_share": unk / total_tokens if total_tokens else 0.0,
+        "learned_token_share": float(np.mean(np.concatenate([np.asarray(m) for m in mask_lists]))),
+    }
+    return SftData(samples=samples, vocab_size=vocab_size, info=info)

@@ -1,0 +1,137 @@
+"""The training entry point as users run it: Hydra overrides, every mode, resume, errors, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = [
+    "model.hidden_size=64",
+    "model.num_attention_heads=2",
+    "model.num_query_groups=1",
+    "model.ffn_hidden_size=128",
+    "data.num_samples=48",
+    "data.max_sample_tokens=256",
+    "data.vocab_size=1024",
+    "training.global_batch_size=8",
+    "training.lr=0.01",
+    "sequence_packing.train_mb_tokens=512",
+    "dynamic_batching.train_mb_tokens=512",
+    "logging.progress_bar=false",
+]
+
+
+def train(run_dir: Path, *overrides: str, torchrun: int = 0, env: dict | None = None, timeout: int = 600):
+    cmd = [sys.executable, "-m", "mcore_packing.train"]
+    if torchrun:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={torchrun}",
+            "-m",
+            "mcore_packing.train",
+        ]
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env.pop("RANK", None)
+    return subprocess.run(
+        [*cmd, *SMALL, f"run_dir={run_dir}", *overrides],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mode_overrides, mode",
+    [
+        ([], "packing"),
+        (["sequence_packing.enabled=false", "dynamic_batching.enabled=true"], "dynamic"),
+        (["sequence_packing.enabled=false"], "padded"),
+    ],
+)
+def test_each_mode_trains_and_loss_decreases(tmp_path, mode_overrides, mode):
+    proc = train(tmp_path / "run", "training.steps=6", *mode_overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"mode={mode}" in proc.stdout
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, [r["loss"] for r in rows]
+    if mode == "packing":
+        assert all(r["utilization"] == 1.0 for r in rows)  # no padding without CP/TP multiples
+    else:
+        assert all(r["useful_tokens"] <= r["padded_tokens"] for r in rows)
+    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+
+
+@pytest.mark.slow
+def test_resume_continues_at_the_exact_next_sample(tmp_path):
+    straight = train(tmp_path / "a", "training.steps=4")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    first = train(tmp_path / "b", "training.steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    resumed = train(tmp_path / "b", "training.steps=4", "resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    assert [r["sample_ids"] for r in a] == [r["sample_ids"] for r in b]  # nothing lost or repeated
+    for x, y in zip(a, b, strict=True):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+    # Negative control: a run with another seed consumes different samples.
+    other = train(tmp_path / "c", "training.steps=1", "training.seed=7")
+    assert other.returncode == 0
+    assert metrics(tmp_path / "c")[0]["sample_ids"] != a[0]["sample_ids"]
+
+
+@pytest.mark.parametrize(
+    "overrides, env, fragment",
+    [
+        (["dynamic_batching.enabled=true"], {}, "are both true"),
+        (["+new.key=1"], {}, "Unknown config key 'new'"),
+        (["sequence_packing.train_mb_tokens=100"], {}, "smaller than the longest sample"),
+        (
+            ["parallel.cp=2", "parallel.make_sequence_length_divisible_by=6"],
+            {"WORLD_SIZE": "2"},
+            "incompatible with parallel.cp=2",
+        ),
+        (["parallel.tp=2"], {}, "World size 1 does not factor"),
+        (["resume=true"], {}, "there is no checkpoint"),
+        (
+            ["parallel.pp=2", "sequence_packing.enabled=false", "dynamic_batching.enabled=true"],
+            {"WORLD_SIZE": "2"},
+            "needs parallel.variable_seq_lengths=true",
+        ),
+    ],
+)
+def test_validation_errors_exit_2_and_name_the_key(tmp_path, overrides, env, fragment):
+    proc = train(tmp_path / "run", *overrides, env=env, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert fragment in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.parametrize("parallel", [[], ["parallel.cp=2"]])
+def test_torchrun_two_ranks(tmp_path, parallel):
+    proc = train(tmp_path / "run", "training.steps=3", *parallel, torchrun=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank 0/2]" in proc.stdout and "[rank 1/2]" in proc.stdout
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one writer: rank 0
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
