@@ -1,0 +1,73 @@
+"""Recipes validate in --dry-run; apply_packing is pure and idempotent; overrides use Hydra's grammar."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+
+from mcore_packing.config import TrainConfig, validate_config
+from mcore_packing.recipes import RECIPES, apply_packing, llama3_8b_sft_packed
+from mcore_packing.run import main
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_every_recipe_validates_in_dry_run(name, capsys):
+    assert main(["--recipe", name, "--dry-run", "data.num_samples=1500"]) == 0
+    out = capsys.readouterr().out
+    assert f"dry run OK: recipe {name}" in out and '"num_microbatches_per_rank"' in out
+
+
+@pytest.mark.parametrize("nodes, gpus", [(1, 8), (2, 8), (4, 4), (1, 2)])
+def test_recipes_fit_the_cluster_they_are_given(nodes, gpus):
+    for recipe in RECIPES.values():
+        try:
+            cfg = recipe(num_nodes=nodes, gpus_per_node=gpus)
+        except ValueError as exc:  # a layout that cannot fill this cluster says what it needs
+            assert "needs a multiple of" in str(exc)
+            continue
+        validate_config(cfg, nodes * gpus)
+        assert cfg.cluster.num_nodes == nodes and cfg.cluster.gpus_per_node == gpus
+    assert llama3_8b_sft_packed(num_nodes=nodes, gpus_per_node=gpus).parallel.tp <= gpus
+
+
+def test_overrides_use_hydra_grammar(capsys):
+    assert (
+        main(
+            [
+                "--recipe",
+                "tiny_cpu_sft",
+                "--dry-run",
+                "data.num_samples=200",
+                "sequence_packing.enabled=false",
+                "dynamic_batching.enabled=true",
+            ]
+        )
+        == 0
+    )
+    assert '"mode": "dynamic"' in capsys.readouterr().out
+    assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "+bogus.key=1"]) == 2
+    assert "Unknown config key 'bogus'" in capsys.readouterr().err
+    assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "parallel.tpp=2"]) == 2
+    assert "Cannot apply overrides" in capsys.readouterr().err
+    assert main(["--recipe", "nope", "--dry-run"]) == 2
+    assert "Available:" in capsys.readouterr().err
+
+
+def test_apply_packing_is_pure_and_idempotent():
+    base = dataclasses.replace(
+        TrainConfig(),
+        sequence_packing=dataclasses.replace(TrainConfig().sequence_packing, enabled=False),
+        dynamic_batching=dataclasses.replace(TrainConfig().dynamic_batching, enabled=True, train_mb_tokens=6000),
+    )
+    snapshot = copy.deepcopy(base)
+    once = apply_packing(base, algorithm="ffd")
+    assert base == snapshot  # the input is untouched
+    assert once.sequence_packing.enabled and not once.dynamic_batching.enabled
+    assert once.sequence_packing.train_mb_tokens == 6000  # keeps the memory budget it replaces
+    assert once.sequence_packing.algorithm == "first_fit_decreasing"
+    assert apply_packing(once, algorithm="ffd") == once
+    assert apply_packing(apply_packing(llama3_8b_sft_packed())) == apply_packing(llama3_8b_sft_packed())
+    with pytest.raises(ValueError, match="Valid names"):
+        apply_packing(base, algorithm="magic")
