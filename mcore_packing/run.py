@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         from .train import train
 
         summary = train(cfg)
-        if summary["losses"]:
+        if summary["losses"] and summary["rank"] == 0:
             print(f"final loss {summary['losses'][-1]:.4f}")
         return 0
     except (ConfigError, ValueError, FileNotFoundError) as exc:

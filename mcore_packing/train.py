@@ -257,7 +257,7 @@ def train(cfg: TrainConfig) -> dict:
         flush=True,
     )
     sampler = GlobalBatchSampler(len(data.samples), cfg.training.global_batch_size, cfg.training.seed)
-    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": plan_config.mode}
+    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": plan_config.mode, "rank": rank}
     writer = None
     with adapter:
         model, _ = build_gpt_model(
@@ -374,7 +374,7 @@ def _hydra_main() -> None:
         except ConfigError as exc:
             print(f"config error: {exc}", file=sys.stderr)
             sys.exit(2)
-        if summary["losses"]:
+        if summary["losses"] and summary["rank"] == 0:
             print(f"final loss {summary['losses'][-1]:.4f} (first {summary['losses'][0]:.4f})", flush=True)
 
     _main()

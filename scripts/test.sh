@@ -4,6 +4,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"
+"$root/scripts/setup_system.sh"
 venv="${MCORE_PACKING_VENV:-$root/.venv}"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
