@@ -110,7 +110,8 @@ def test_shell_scripts_pass_shellcheck():
     if shutil.which("shellcheck") is None:
         _skip_or_fail("shellcheck is not installed (scripts/setup_system.sh installs it as root)")
     scripts = [
-        *map(str, ROOT.glob("slurm/*")),
+        *map(str, ROOT.glob("slurm/*.sh")),
+        *map(str, ROOT.glob("slurm/*.sbatch")),
         *map(str, ROOT.glob("scripts/*.sh")),
         str(ROOT / ".ci/run"),
         str(ROOT / "tests/slurm/local_slurm.sh"),
