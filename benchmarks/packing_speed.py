@@ -109,17 +109,28 @@ def main(argv: list[str] | None = None) -> int:
                 as_list = lengths.tolist()
                 seconds, naive = time_call(lambda x=as_list: naive_first_fit_decreasing(x, args.capacity), 1)
                 ours = next(
-                    (r for r in rows if (r["distribution"], r["n"], r["algorithm"])
-                     == (distribution, n, PackingAlgorithm.FIRST_FIT_DECREASING.value)),
+                    (
+                        r
+                        for r in rows
+                        if (r["distribution"], r["n"], r["algorithm"])
+                        == (distribution, n, PackingAlgorithm.FIRST_FIT_DECREASING.value)
+                    ),
                     None,
                 )
-                row = {"distribution": distribution, "n": n, "algorithm": "naive_ffd_baseline", "seconds": seconds,
-                       "num_bins": len(naive)}
+                row = {
+                    "distribution": distribution,
+                    "n": n,
+                    "algorithm": "naive_ffd_baseline",
+                    "seconds": seconds,
+                    "num_bins": len(naive),
+                }
                 if ours is not None:
                     row["speedup_of_ffd"] = seconds / ours["seconds"]
                     same = ours["num_bins"] == len(naive)
-                    print(f"{'':<12} {'':>9} {'naive item-by-item FFD':<30} {seconds:>8.3f} {len(naive):>8}   "
-                          f"ffd speed-up x{row['speedup_of_ffd']:.0f}, same bin count: {same}")
+                    print(
+                        f"{'':<12} {'':>9} {'naive item-by-item FFD':<30} {seconds:>8.3f} {len(naive):>8}   "
+                        f"ffd speed-up x{row['speedup_of_ffd']:.0f}, same bin count: {same}"
+                    )
                 rows.append(row)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:

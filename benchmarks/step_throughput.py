@@ -18,6 +18,7 @@ dynamic/padded are taken in the same run on the same global batches.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -29,7 +30,7 @@ from datetime import datetime, timezone
 import numpy as np
 
 
-def global_batches(distribution: str, num_batches: int, batch_size: int, max_len: int, seed: int) -> list:
+def global_batches(distribution: str, num_batches: int, batch_size: int, max_len: int, seed: int, vocab: int) -> list:
     from mcore_packing.data import sample_lengths
 
     rng = np.random.default_rng(seed)
@@ -40,12 +41,12 @@ def global_batches(distribution: str, num_batches: int, batch_size: int, max_len
             lengths = np.maximum(1, sample_lengths("real:champ", batch_size, 16384, seed=seed + b) // 10)
         else:
             lengths = sample_lengths(distribution, batch_size, max_len, seed=seed + b)
-        batches.append([rng.integers(0, 1000, int(n)).tolist() for n in lengths])
+        batches.append([rng.integers(0, vocab, int(n)).tolist() for n in lengths])
     return batches
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv=None, description: str = __doc__, defaults: dict | None = None) -> int:
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--distributions", nargs="+", default=["lognormal", "real:champ/10"])
     parser.add_argument("--batch-size", type=int, default=64, help="samples per global batch")
     parser.add_argument("--max-len", type=int, default=1024, help="longest synthetic sample")
@@ -55,12 +56,23 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--ffn", type=int, default=None)
     parser.add_argument("--vocab", type=int, default=1024)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument(
+        "--attention-backends",
+        nargs="+",
+        default=["auto"],
+        help="auto | local | te (te is skipped with a note when TransformerEngine is missing)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--out", default="benchmarks/results/step_throughput.json")
+    if defaults:
+        parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick and not defaults:
         args.batch_size, args.max_len, args.mb_tokens, args.steps = 8, 128, 512, 1
         args.distributions = args.distributions[:1]
 
@@ -70,73 +82,99 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from mcore_packing.batch import SequenceSample
+    from mcore_packing.compat import te_available
     from mcore_packing.megatron import cpu_device_adapter
     from mcore_packing.megatron.model import GPTShape, build_gpt_model, initialize_parallel
     from mcore_packing.planning import StepPlanConfig, plan_step
     from mcore_packing.schedule import ParallelGroups, run_step
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    if args.device == "cpu":
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
+    elif not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU; none is visible.")
+    else:
+        torch.cuda.set_device(0)
     if not dist.is_initialized():
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
     initialize_parallel()
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     shape = GPTShape(
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn,
         vocab_size=args.vocab,
         max_sequence_length=max(args.max_len, 1024) * 2,
     )
     config = {
         **vars(args),
-        "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, no GPU" if not torch.cuda.is_available() else "GPU",
+        "torch": torch.__version__,
+        "te_available": te_available(),
+        "machine": torch.cuda.get_device_name(0)
+        if args.device == "cuda"
+        else f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, no GPU",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     print("config:", json.dumps(config))
     rows = []
-    with cpu_device_adapter():
-        model, _ = build_gpt_model(shape)
-        groups = ParallelGroups.from_megatron()
-        for distribution in args.distributions:
-            batches = global_batches(distribution, args.steps + 1, args.batch_size, args.max_len, args.seed)
-            result = {"distribution": distribution}
-            for mode in ("padded", "dynamic", "packing"):
-                times, real, computed = [], 0, 0
-                for step, batch in enumerate(batches):
-                    samples = [SequenceSample(t) for t in batch]
-                    lengths = [len(t) for t in batch]
-                    plan_config = StepPlanConfig(
-                        mode=mode, train_mb_tokens=max(args.mb_tokens, args.max_len), padded_rows=args.padded_rows
+    adapter = cpu_device_adapter() if args.device == "cpu" else contextlib.nullcontext()
+    with adapter:
+        for backend in args.attention_backends:
+            if backend == "te" and not te_available():
+                print("attention backend te: skipped, TransformerEngine is not installed", flush=True)
+                continue
+            model, _ = build_gpt_model(shape, dtype=dtype, attention_backend=backend, device=device)
+            n_params = sum(p.numel() for p in model.parameters())
+            groups = ParallelGroups.from_megatron()
+            for distribution in args.distributions:
+                batches = global_batches(
+                    distribution, args.steps + 1, args.batch_size, args.max_len, args.seed, args.vocab
+                )
+                result = {"distribution": distribution, "attention_backend": backend, "parameters": n_params}
+                for mode in ("padded", "dynamic", "packing"):
+                    times, real, computed = [], 0, 0
+                    for step, batch in enumerate(batches):
+                        samples = [SequenceSample(t) for t in batch]
+                        lengths = [len(t) for t in batch]
+                        plan_config = StepPlanConfig(
+                            mode=mode, train_mb_tokens=max(args.mb_tokens, args.max_len), padded_rows=args.padded_rows
+                        )
+                        plan = plan_step(lengths, plan_config)
+                        model.zero_grad_buffer()
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        start = time.perf_counter()
+                        out = run_step(model, samples, plan, groups, device=device, verify=False)
+                        if device.type == "cuda":
+                            torch.cuda.synchronize()
+                        elapsed = time.perf_counter() - start
+                        if step > 0:  # the first step warms up allocator and kernels
+                            times.append(elapsed)
+                            real += out.real_tokens
+                            computed += out.padded_tokens
+                    seconds = sum(times)
+                    result[mode] = {
+                        "tokens_per_s": real / seconds,
+                        "step_s_median": statistics.median(times),
+                        "useful_share": real / computed,
+                    }
+                    print(
+                        f"{distribution:<14} {backend:<5} {mode:<8} {real / seconds:>9.0f} tokens/s  "
+                        f"useful share {real / computed:.3f}  median step {statistics.median(times):.2f}s",
+                        flush=True,
                     )
-                    plan = plan_step(lengths, plan_config)
-                    model.zero_grad_buffer()
-                    start = time.perf_counter()
-                    out = run_step(model, samples, plan, groups, device="cpu", verify=False)
-                    elapsed = time.perf_counter() - start
-                    if step > 0:  # the first step warms up allocator and kernels
-                        times.append(elapsed)
-                        real += out.real_tokens
-                        computed += out.padded_tokens
-                seconds = sum(times)
-                result[mode] = {
-                    "tokens_per_s": real / seconds,
-                    "step_s_median": statistics.median(times),
-                    "useful_share": real / computed,
-                }
+                padded_tps = result["padded"]["tokens_per_s"]
+                result["packed_over_padded"] = result["packing"]["tokens_per_s"] / padded_tps
+                result["dynamic_over_padded"] = result["dynamic"]["tokens_per_s"] / padded_tps
                 print(
-                    f"{distribution:<14} {mode:<8} {real / seconds:>9.0f} tokens/s  "
-                    f"useful share {real / computed:.3f}  median step {statistics.median(times):.2f}s",
+                    f"{distribution:<14} {backend:<5} ratios: packed/padded = {result['packed_over_padded']:.2f}x, "
+                    f"dynamic/padded = {result['dynamic_over_padded']:.2f}x",
                     flush=True,
                 )
-            result["packed_over_padded"] = result["packing"]["tokens_per_s"] / result["padded"]["tokens_per_s"]
-            result["dynamic_over_padded"] = result["dynamic"]["tokens_per_s"] / result["padded"]["tokens_per_s"]
-            print(
-                f"{distribution:<14} ratios: packed/padded = {result['packed_over_padded']:.2f}x, "
-                f"dynamic/padded = {result['dynamic_over_padded']:.2f}x",
-                flush=True,
-            )
-            rows.append(result)
-    if not args.quick:
+                rows.append(result)
+            del model
+    if not (args.quick and not defaults):  # step_throughput's own --quick is a smoke run: keep results clean
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"config": config, "results": rows}, f, indent=1)

@@ -43,3 +43,60 @@ def test_step_throughput_quick():
     proc = run("benchmarks/step_throughput.py", "--quick")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "packed/padded" in proc.stdout
+
+
+@pytest.mark.multirank
+def test_gpu_step_code_path_on_cpu(tmp_path):
+    proc = run(
+        "benchmarks/gpu_step.py",
+        "--quick",
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--layers",
+        "1",
+        "--hidden",
+        "64",
+        "--heads",
+        "2",
+        "--ffn",
+        "128",
+        "--vocab",
+        "256",
+        "--batch-size",
+        "8",
+        "--max-len",
+        "128",
+        "--mb-tokens",
+        "512",
+        "--attention-backends",
+        "local",
+        "te",
+        "--out",
+        str(tmp_path / "g.json"),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "packed/padded" in proc.stdout
+    assert "skipped, TransformerEngine is not installed" in proc.stdout or "te    ratios" in proc.stdout
+    assert json.loads((tmp_path / "g.json").read_text())["results"]
+
+
+def test_plan_quality_small(tmp_path):
+    out = tmp_path / "q.json"
+    proc = run(
+        "benchmarks/plan_quality.py",
+        "--distributions",
+        "lognormal",
+        "--budgets",
+        "4096",
+        "--dp",
+        "2",
+        "--num",
+        "1024",
+        "--out",
+        str(out),
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"packing", "dynamic"}

@@ -1,4 +1,4 @@
-"""The planning CLI: real output on a real corpus, and exit code 2 with a clear message on bad input."""
+"""The planning CLI: real output on a real corpus, JSON that adds up, the PNG, and exit code 2 on bad input."""
 
 from __future__ import annotations
 
@@ -16,46 +16,107 @@ def run(capsys, *argv):
     return code, out.out, out.err
 
 
-def test_default_run_on_real_corpus(capsys):
-    code, out, _ = run(capsys, "--algorithm", "ffd", "--algorithm", "concat")
+def test_default_run_on_real_corpus_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    code, out, _ = run(capsys, "--dp", "4", "--png", str(png), "--no-recommend")
     assert code == 0
-    assert "real:champ" in out and "19440 sequences" in out
-    assert "first_fit_decreasing" in out and "concatenative" in out
+    assert "real:champ" in out and "19,440 sequences" in out
+    assert "slowest DP rank / mean" in out and "predicted compute saved" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
 
 
-def test_json_from_a_lengths_file_is_consistent(tmp_path, capsys):
+def test_json_from_a_lengths_file_adds_up(tmp_path, capsys):
     lengths = np.array([100, 3000, 20, 4000, 700, 650, 90, 10], dtype=np.int64)
     path = tmp_path / "lengths.npy"
     np.save(path, lengths)
-    code, out, _ = run(capsys, "--lengths", str(path), "--capacity", "4096", "--global-batch-size", "4",
-                       "--micro-batch-size", "2", "--algorithm", "ffd", "--json")
+    code, out, _ = run(
+        capsys,
+        "--lengths",
+        str(path),
+        "--mb-tokens",
+        "4096",
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--algorithm",
+        "ffd",
+        "--json",
+        "--no-png",
+        "--no-recommend",
+    )
     assert code == 0
     doc = json.loads(out)
-    row = doc["per_global_batch"][0]
+    s = doc["summary"]
     assert doc["num_tokens"] == int(lengths.sum())
-    # Pad-to-longest over micro-batches of 2 in data order: max(100,3000)*2 + max(20,4000)*2 + 700*2 + 90*2.
-    assert row["pad_to_longest_tokens"] == 2 * (3000 + 4000 + 700 + 90)
-    assert row["packed_tokens"] == row["num_bins"] * 4096
-    assert row["num_bins"] >= row["lower_bound_per_batch_sum"]
+    # Pad-to-longest over micro-batches of 2 in data order: (3000 + 4000 + 700 + 90) * 2 tokens.
+    assert s["useful_share_pad_to_longest"] == pytest.approx(lengths.sum() / (2 * (3000 + 4000 + 700 + 90)))
+    assert s["micro_batches"] >= s["lower_bound"] == 2 + 1  # ceil(3120/4096) + ceil(1450/4096)
+    assert 0 < s["compute_saved_with_attention"] < 1
 
 
-@pytest.mark.parametrize("content, suffix, fragment", [
-    ("1\n2\nx\n", ".txt", "entry 2 = 'x' is not an integer"),
-    ("", ".txt", "holds no lengths"),
-    ("[1, 0, 3]", ".json", "length 1 is 0"),
-    ("[1.5, 2]", ".json", "must be integers"),
-    ("[10, 5000, 6000]", ".json", "2 of 3 sequences are longer than --capacity 4096"),
-])
-def test_bad_inputs_exit_2_with_message(tmp_path, capsys, content, suffix, fragment):
+def test_dynamic_mode_and_budget_recommendation(capsys):
+    code, out, _ = run(
+        capsys, "--mode", "dynamic", "--mb-tokens", "12000", "--json", "--no-png", "--global-batch-size", "256"
+    )
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["config"]["mode"] == "dynamic"
+    assert doc["summary"]["useful_share_planned"] > doc["summary"]["useful_share_pad_to_longest"]
+    budget = doc["budget"]
+    assert budget["recommended_train_mb_tokens"] in [c["train_mb_tokens"] for c in budget["candidates"]]
+
+
+def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
+    from mcore_packing.data.real_text import get_tokenizer
+
+    texts = ["hello world", "packing sequences saves compute " * 20, "x"]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"body": t}) for t in texts) + "\n")
+    code, out, _ = run(
+        capsys, "--jsonl", str(path), "--field", "body", "--mb-tokens", "512", "--json", "--no-png", "--no-recommend"
+    )
+    assert code == 0
+    enc = get_tokenizer("qwen3")
+    assert json.loads(out)["num_tokens"] == sum(len(enc.encode(t)) for t in texts)
+
+
+@pytest.mark.parametrize(
+    "content, suffix, args, fragment",
+    [
+        ("1\n2\nx\n", ".txt", [], "entry 2 = 'x' is not an integer"),
+        ("", ".txt", [], "holds no lengths"),
+        ("[1, 0, 3]", ".json", [], "length 1 is 0"),
+        ("[1.5, 2]", ".json", [], "must be integers"),
+        (
+            "[10, 5000, 6000]",
+            ".json",
+            ["--mb-tokens", "4096"],
+            "2 of 3 sequences are longer than a micro-batch (4096 tokens",
+        ),
+        ("[10, 20]", ".json", ["--mb-tokens", "0"], "--mb-tokens must be >= 1"),
+        ("[10, 20]", ".json", ["--algorithm", "magic"], "Valid names"),
+        ("[10, 20]", ".json", ["--dp", "4", "--global-batch-size", "2"], "smaller than --dp 4"),
+    ],
+)
+def test_bad_inputs_exit_2_with_message(tmp_path, capsys, content, suffix, args, fragment):
     path = tmp_path / f"lengths{suffix}"
     path.write_text(content)
-    code, _, err = run(capsys, "--lengths", str(path), "--capacity", "4096")
-    assert code == 2
+    code, _, err = run(capsys, "--lengths", str(path), "--no-png", *args)
+    assert code == 2, err
     assert fragment in err
 
 
-def test_missing_file_and_bad_algorithm_exit_2(tmp_path, capsys):
+def test_missing_files_and_fields_exit_2(tmp_path, capsys):
     code, _, err = run(capsys, "--lengths", str(tmp_path / "nope.npy"))
     assert code == 2 and "does not exist" in err
-    code, _, err = run(capsys, "--algorithm", "magic")
-    assert code == 2 and "Valid names" in err
+    code, _, err = run(capsys, "--jsonl", str(tmp_path / "nope.jsonl"))
+    assert code == 2 and "does not exist" in err
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "a"}\n{"other": "b"}\n')
+    code, _, err = run(capsys, "--jsonl", str(path), "--no-png")
+    assert code == 2 and "has no field 'text'" in err
+    empty = tmp_path / "e.jsonl"
+    empty.write_text("\n")
+    code, _, err = run(capsys, "--jsonl", str(empty), "--no-png")
+    assert code == 2 and "empty" in err
