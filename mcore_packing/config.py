@@ -68,8 +68,9 @@ class SequencePackingConfig:
     train_mb_tokens: int = 4096
     logprob_mb_tokens: int | None = None
     algorithm: str = "modified_first_fit_decreasing"
-    microbatch_order: str = "packer"
+    microbatch_order: str = "packer"  # packer | largest_first | bubble
     sequence_length_round: int = 1
+    cost_budget: Any = None  # None | "auto" | a number: also cap each row's attention-aware cost
 
 
 @dataclass
@@ -99,6 +100,7 @@ class TrainingConfig:
     seed: int = 1234
     loss_normalization: str = "token_mean"  # token_mean | sequence_mean
     padded_micro_batch_rows: int = 4  # rows per micro-batch when neither packing nor dynamic batching is on
+    balance: str = "cost"  # cost (attention-aware) | tokens | round_robin: micro-batches to DP ranks
     save_interval: int = 0  # steps between checkpoints (0: only at the end)
     checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
 
@@ -252,6 +254,12 @@ def validate_config(cfg: TrainConfig, world_size: int = 1) -> None:
         raise ConfigError("data.source=jsonl needs data.path=/path/to/file.jsonl (one JSON object per line).")
     if cfg.data.long_samples not in ("split", "drop", "error"):
         raise ConfigError(f"data.long_samples must be split, drop or error, got {cfg.data.long_samples!r}.")
+    if cfg.training.balance not in ("cost", "tokens", "round_robin"):
+        raise ConfigError(f"training.balance must be cost, tokens or round_robin, got {cfg.training.balance!r}.")
+    if sp.microbatch_order not in ("packer", "largest_first", "bubble"):
+        raise ConfigError(
+            f"sequence_packing.microbatch_order must be packer, largest_first or bubble, got {sp.microbatch_order!r}."
+        )
     if cfg.training.loss_normalization not in ("token_mean", "sequence_mean"):
         raise ConfigError(
             f"training.loss_normalization must be token_mean or sequence_mean, got {cfg.training.loss_normalization!r}."

@@ -34,14 +34,26 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from .balance import ORDERS, assign_balanced, assign_round_robin, cost_capped_first_fit, max_over_mean
+from .balance import order_microbatches as _order
 from .batch import PaddingRule
+from .cost import CostModel
 from .packing import DEFAULT_ALGORITHM, get_packer, resolve_algorithm
 from .packing.validation import as_lengths
 
-__all__ = ["MODES", "ORDERS", "MicroBatchPlan", "StepPlan", "StepPlanConfig", "plan_step", "verify_plan_across_ranks"]
+__all__ = [
+    "BALANCES",
+    "MODES",
+    "ORDERS",
+    "MicroBatchPlan",
+    "StepPlan",
+    "StepPlanConfig",
+    "plan_step",
+    "verify_plan_across_ranks",
+]
 
 MODES = ("packing", "dynamic", "padded")
-ORDERS = ("packer", "largest_first")
+BALANCES = ("cost", "tokens", "round_robin")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,6 +71,12 @@ class StepPlanConfig:
         fp8_alignment: per-sequence alignment for FP8 (16), 1 when off.
         fixed_length: packing mode: pad every row to the full ``train_mb_tokens * cp`` (PP without
             variable sequence lengths needs one shape). Default: on when ``pp_size > 1``.
+        padded_rows: rows per micro-batch in ``padded`` mode.
+        balance: how micro-batches go to DP ranks: ``cost`` (attention-aware `cost_model`, LPT + swaps),
+            ``tokens`` (the same on padded tokens), ``round_robin`` (NeMo-RL's, for comparison).
+        cost_model: per-sequence cost; None counts tokens (no attention term).
+        cost_budget: packing only: also cap each row's cost (in `cost_model` units), or ``"auto"`` for
+            5% above the mean row cost of token-only packing, so rows are even in work.
     """
 
     mode: str = "packing"
@@ -75,6 +93,9 @@ class StepPlanConfig:
     fp8_alignment: int = 1
     fixed_length: bool | None = None
     padded_rows: int = 4
+    balance: str = "cost"
+    cost_model: CostModel | None = None
+    cost_budget: float | str | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -85,6 +106,17 @@ class StepPlanConfig:
             )
         if self.microbatch_order not in ORDERS:
             raise ValueError(f"microbatch_order must be one of {ORDERS}, got {self.microbatch_order!r}.")
+        if self.balance not in BALANCES:
+            raise ValueError(f"balance must be one of {BALANCES}, got {self.balance!r}.")
+        if self.cost_budget is not None and self.cost_budget != "auto":
+            if (
+                isinstance(self.cost_budget, bool)
+                or not isinstance(self.cost_budget, (int, float))
+                or self.cost_budget <= 0
+            ):
+                raise ValueError(f"cost_budget must be a positive number, 'auto' or None, got {self.cost_budget!r}.")
+        if self.cost_budget is not None and self.mode != "packing":
+            raise ValueError("cost_budget caps the cost of packed rows: it needs mode='packing'.")
         for name in (
             "train_mb_tokens",
             "sequence_length_round",
@@ -185,6 +217,7 @@ class MicroBatchPlan:
     sample_indices: tuple[int, ...]
     shape: tuple[int, int]
     real_tokens: int
+    cost: float = 0.0
 
     @property
     def padded_tokens(self) -> int:
@@ -225,6 +258,7 @@ class StepPlan:
             "config": asdict(self.config),
             "forward_only": self.forward_only,
             "lengths": list(self.lengths),
+            "groups": [str(g) for g in self.extra.get("groups") or []],
             "micro_batches": [[(mb.sample_indices, mb.shape) for mb in rank] for rank in self.micro_batches],
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
@@ -233,7 +267,10 @@ class StepPlan:
         real = sum(mb.real_tokens for rank in self.micro_batches for mb in rank)
         padded = sum(mb.padded_tokens for rank in self.micro_batches for mb in rank)
         per_rank = [sum(mb.padded_tokens for mb in rank) for rank in self.micro_batches]
+        per_rank_cost = [sum(mb.cost for mb in rank) for rank in self.micro_batches]
         return {
+            "rank_cost_max_over_mean": max_over_mean(per_rank_cost),
+            "predicted_step_cost": max(per_rank_cost) if per_rank_cost else 0.0,
             "num_microbatches_per_rank": self.num_microbatches,
             "real_tokens": real,
             "padded_tokens": padded,
@@ -242,8 +279,19 @@ class StepPlan:
         }
 
 
-def plan_step(lengths: Sequence[int] | np.ndarray, config: StepPlanConfig, *, forward_only: bool = False) -> StepPlan:
-    """Plan one global batch (see the module docstring)."""
+def plan_step(
+    lengths: Sequence[int] | np.ndarray,
+    config: StepPlanConfig,
+    *,
+    forward_only: bool = False,
+    groups: Sequence | None = None,
+) -> StepPlan:
+    """Plan one global batch (see the module docstring).
+
+    ``groups``: optional group id per sample (DPO chosen/rejected pairs, GRPO responses to one prompt).
+    Samples of a group always share a micro-batch, so a group is never split across micro-batches or
+    ranks. Packing mode only.
+    """
     capacity = config.row_capacity(forward_only)
     budget_name, budget = config.budget(forward_only)
     lengths = as_lengths(lengths, np.iinfo(np.int64).max)
@@ -259,31 +307,92 @@ def plan_step(lengths: Sequence[int] | np.ndarray, config: StepPlanConfig, *, fo
             f"sample {i}, whose padded length is {longest} (length {int(lengths[i])}). Raise {budget_name} to at "
             f"least {-(-longest // config.cp_size)}, or truncate/split long samples upstream."
         )
+    model = config.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
+    units = _units(groups, lengths.size, padded, capacity, config)
     if config.mode == "packing":
-        groups, shapes = _plan_packing(lengths, padded, capacity, config, forward_only)
+        bins, shapes = _plan_packing(padded, capacity, config, units, model)
     elif config.mode == "dynamic":
-        groups, shapes = _plan_dynamic(lengths, padded, capacity, config)
+        bins, shapes = _plan_dynamic(lengths, padded, capacity, config)
     else:
-        groups, shapes = _plan_padded(lengths, padded, config)
+        bins, shapes = _plan_padded(lengths, padded, config)
     micro = [
-        MicroBatchPlan(tuple(int(i) for i in g), shape, int(lengths[np.asarray(g)].sum()))
-        for g, shape in zip(groups, shapes, strict=True)
+        MicroBatchPlan(
+            tuple(int(i) for i in b),
+            shape,
+            int(lengths[np.asarray(b)].sum()),
+            _mb_cost(b, shape, padded, config, model),
+        )
+        for b, shape in zip(bins, shapes, strict=True)
     ]
-    per_rank = _assign_to_ranks(micro, config.dp_size)
-    if config.microbatch_order == "largest_first":
-        per_rank = [sorted(rank, key=lambda mb: -mb.padded_tokens) for rank in per_rank]
+    if len(micro) % config.dp_size:
+        raise AssertionError(f"{len(micro)} micro-batches do not split over {config.dp_size} ranks")
+    if config.balance == "round_robin":
+        assignment = assign_round_robin(len(micro), config.dp_size)
+    else:
+        weights = [mb.cost if config.balance == "cost" else mb.padded_tokens for mb in micro]
+        assignment = assign_balanced(weights, config.dp_size)
+    per_rank = []
+    for rank in assignment:
+        chosen = [micro[k] for k in rank]
+        order = _order([mb.cost for mb in chosen], config.microbatch_order)
+        per_rank.append(tuple(chosen[k] for k in order))
     return StepPlan(
         config=config,
         forward_only=forward_only,
         lengths=tuple(int(x) for x in lengths),
-        micro_batches=tuple(tuple(rank) for rank in per_rank),
-        extra={"row_capacity": capacity},
+        micro_batches=tuple(per_rank),
+        extra={"row_capacity": capacity, "groups": list(groups) if groups is not None else None},
     )
 
 
-def _plan_packing(lengths, padded, capacity, config, forward_only):
-    packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0)
-    bins = packer.pack(padded)
+def _units(groups, n, padded, capacity, config) -> list[list[int]] | None:
+    """Samples grouped by id (first-appearance order), or None without groups."""
+    if groups is None:
+        return None
+    groups = list(groups)
+    if len(groups) != n:
+        raise ValueError(f"groups has {len(groups)} entries for {n} samples; give one group id per sample.")
+    if config.mode != "packing":
+        raise ValueError("groups keep samples together in one packed row: they need mode='packing'.")
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    for g, idx in members.items():
+        size = int(padded[idx].sum())
+        if size > capacity:
+            raise ValueError(
+                f"group {g!r} has {len(idx)} samples and {size} padded tokens, more than one micro-batch holds "
+                f"({capacity}). Raise train_mb_tokens (x cp) to at least {-(-size // config.cp_size)}, or split "
+                "the group upstream."
+            )
+    return list(members.values())
+
+
+def _mb_cost(members, shape, padded, config, model: CostModel) -> float:
+    """Predicted cost of a micro-batch on one CP rank (attention per sequence in packing mode)."""
+    if config.mode == "packing":
+        spans = padded[np.asarray(members)].astype(np.float64)
+        spans[-1] += shape[1] - spans.sum()  # row padding is part of the last span
+        return float(model.sequence_cost(spans, config.cp_size).sum())
+    rows, width = shape
+    return rows * float(model.sequence_cost([width], config.cp_size)[0])
+
+
+def _plan_packing(padded, capacity, config, units, model: CostModel):
+    items = units if units is not None else [[i] for i in range(padded.size)]
+    sizes = np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
+    if config.cost_budget is None:
+        packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0)
+        unit_bins = packer.pack(sizes)
+    else:
+        costs = np.array([float(model.sequence_cost(padded[u]).sum()) for u in items])
+        cost_budget = config.cost_budget
+        if cost_budget == "auto":
+            reference = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0).pack(sizes)
+            cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(reference))
+        unit_bins = cost_capped_first_fit(sizes, costs, capacity, cost_budget)
+        unit_bins = _split_to_multiple(unit_bins, sizes, config.dp_size)
+    bins = [[i for u in b for i in items[u]] for b in unit_bins]
     multiple = config.padding_rule.total_multiple
     shapes = []
     for b in bins:
@@ -291,6 +400,23 @@ def _plan_packing(lengths, padded, capacity, config, forward_only):
         row = -(-row // multiple) * multiple
         shapes.append((1, capacity if config.use_fixed_length else row))
     return bins, shapes
+
+
+def _split_to_multiple(bins: list[list[int]], sizes: np.ndarray, multiple: int) -> list[list[int]]:
+    """Move single items out of the fullest multi-item bins until the bin count is a multiple."""
+    from .packing import PackedBins
+    from .packing.constraints import enforce_bin_count
+
+    if len(bins) % multiple == 0:
+        return bins
+    if sum(len(b) for b in bins) < -(-len(bins) // multiple) * multiple:
+        raise ValueError(
+            f"Cannot give {multiple} data-parallel ranks the same number of micro-batches with only "
+            f"{sum(len(b) for b in bins)} sequences (or groups) in the global batch."
+        )
+    return enforce_bin_count(
+        PackedBins.from_lists(bins), sizes, min_bin_count=None, bin_count_multiple=multiple
+    ).to_lists()
 
 
 def _plan_dynamic(lengths, padded, capacity, config):
@@ -336,22 +462,6 @@ def _split_until_divisible(groups, padded, dp, num_samples):
         heapq.heappush(heap, (-len(extra), len(groups) - 1))
     shapes = [(len(g), int(padded[np.asarray(g)].max())) for g in groups]
     return groups, shapes
-
-
-def _assign_to_ranks(micro: list[MicroBatchPlan], dp_size: int) -> list[list[MicroBatchPlan]]:
-    """Heaviest first, each to the least-loaded rank that still needs micro-batches (equal counts)."""
-    if len(micro) % dp_size:
-        raise AssertionError(f"{len(micro)} micro-batches do not split over {dp_size} ranks")
-    per_rank_count = len(micro) // dp_size
-    order = sorted(range(len(micro)), key=lambda k: (-micro[k].padded_tokens, k))
-    heap = [(0, r) for r in range(dp_size)]
-    ranks: list[list[int]] = [[] for _ in range(dp_size)]
-    for k in order:
-        load, r = heapq.heappop(heap)
-        ranks[r].append(k)
-        if len(ranks[r]) < per_rank_count:
-            heapq.heappush(heap, (load + micro[k].padded_tokens, r))
-    return [[micro[k] for k in sorted(rank)] for rank in ranks]
 
 
 def verify_plan_across_ranks(plan: StepPlan, group) -> None:

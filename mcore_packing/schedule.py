@@ -178,24 +178,29 @@ def prepare_micro_batch(
     )
 
 
-def local_step_counts(plan: StepPlan, samples: Sequence[SequenceSample], groups: ParallelGroups) -> tuple[int, int]:
-    """Valid target tokens and sequences with a target in this DP rank's micro-batches.
+def local_step_counts(
+    plan: StepPlan, samples: Sequence[SequenceSample], groups: ParallelGroups, group_ids: Sequence | None = None
+) -> tuple[int, int]:
+    """Valid target tokens, and loss units (sequences with a target, or groups), in this DP rank's share.
 
     Counted whole-sample on CP rank 0 and 0 on other CP ranks, so a sum over DP x CP counts each once.
     """
     tokens = 0
-    sequences = 0
+    units = set()
     for mb in plan.for_rank(groups.dp_rank):
         for i in mb.sample_indices:
             s = samples[i]
             n = int(torch.as_tensor(s.tokens).numel())
             mask = torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.float32)
             valid = int(mask.reshape(-1)[1:].sum().item())  # targets are tokens 1..n-1
-            sequences += int(valid > 0)
             tokens += valid
+            if group_ids is not None:
+                units.add(group_ids[i])
+            elif valid > 0:
+                units.add(i)
     if groups.cp_rank != 0:
         return 0, 0
-    return tokens, sequences
+    return tokens, len(units)
 
 
 @dataclass(frozen=True)
@@ -258,6 +263,8 @@ def run_step(
     *,
     normalization: LossNormalization | str = LossNormalization.TOKEN_MEAN,
     sequence_loss: Callable | None = None,
+    group_loss: Callable | None = None,
+    group_ids: Sequence | None = None,
     forward_only: bool = False,
     device: torch.device | str | None = None,
     verify: bool = True,
@@ -273,6 +280,9 @@ def run_step(
         normalization: ``token_mean`` (default) or ``sequence_mean``.
         sequence_loss: optional ``fn(logprobs, loss_mask) -> scalar`` per sequence on the unpacked view
             (packing mode); the step loss is the sequence mean of ``fn``.
+        group_loss: optional ``fn(members) -> scalar`` per group (DPO pairs, GRPO groups), where
+            ``members`` is ``[(sample_id, logprobs, loss_mask), ...]`` in sample order; the step loss is
+            the mean over groups. Needs ``group_ids`` and a plan made with the same ``groups``.
         forward_only: evaluation (no backward).
         verify: check with one all-gather that every rank planned the same step.
     """
@@ -283,14 +293,22 @@ def run_step(
     _check_schedule_config(plan, model_config)
     if verify and groups.dp_cp is not None and dist.get_world_size(groups.dp_cp) > 1:
         verify_plan_across_ranks(plan, groups.dp_cp)
-    if sequence_loss is not None and plan.config.mode != "packing":
-        raise ValueError("sequence_loss runs on the unpacked view of packed rows: use mode='packing'.")
-    normalization = LossNormalization(normalization if sequence_loss is None else LossNormalization.SEQUENCE_MEAN)
+    if (sequence_loss is not None or group_loss is not None) and plan.config.mode != "packing":
+        raise ValueError("sequence_loss / group_loss run on the unpacked view of packed rows: use mode='packing'.")
+    if group_loss is not None:
+        if group_ids is None or len(group_ids) != len(samples):
+            raise ValueError("group_loss needs group_ids: one group id per sample, the same passed to plan_step.")
+        if list(plan.extra.get("groups") or []) != list(group_ids):
+            raise ValueError("the plan was made without these group ids; call plan_step(..., groups=group_ids).")
+    per_unit = sequence_loss is not None or group_loss is not None
+    normalization = LossNormalization(LossNormalization.SEQUENCE_MEAN if per_unit else normalization)
     device = torch.device(device) if device is not None else _default_device()
     micro = plan.for_rank(groups.dp_rank)
     num_microbatches = len(micro)
 
-    local_tokens, local_sequences = local_step_counts(plan, samples, groups)
+    local_tokens, local_sequences = local_step_counts(
+        plan, samples, groups, group_ids if group_loss is not None else None
+    )
     totals = StepTotals.all_reduce(local_tokens, local_sequences, groups.dp_cp)
     prepared = [
         prepare_micro_batch(mb, samples, plan, groups, totals, normalization, device, pad_token_id) for mb in micro
@@ -298,7 +316,9 @@ def run_step(
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
 
     def loss_func(prep: PreparedMicroBatch, output_tensor: torch.Tensor):
-        if sequence_loss is not None:
+        if group_loss is not None:
+            weighted = _group_loss_sum(prep, output_tensor, group_loss, group_ids, groups, totals)
+        elif sequence_loss is not None:
             weighted = _sequence_loss_sum(prep, output_tensor, sequence_loss, groups, totals)
         else:
             weighted = (output_tensor.float() * prep.weights).sum()
@@ -372,6 +392,40 @@ def _sequence_loss_sum(prep, output_tensor, fn, groups, totals) -> torch.Tensor:
         start += span
     # Every CP rank holds the same gathered sum; the gather's backward adds their gradients, so each rank
     # keeps 1/cp of it.
+    return total / (totals.num_sequences * groups.cp_size)
+
+
+def _unpacked_logprobs(prep, output_tensor, groups):
+    """Full-row log-probs (CP shards gathered, differentiable) and the row's loss mask."""
+    logprobs = -output_tensor.float().reshape(-1)
+    batch = prep.full_batch
+    if groups.cp_size > 1:
+        logprobs = gather_from_cp(logprobs, slice_for_cp(batch, groups.cp_size, groups.cp_rank), groups.cp)
+    return logprobs, batch.loss_mask[0].to(logprobs.device)
+
+
+def _check_scalar(value, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"{what} must return a scalar (0-d) tensor, got {shape}; reduce over the tokens inside the function."
+        )
+    return value
+
+
+def _group_loss_sum(prep, output_tensor, fn, group_ids, groups, totals) -> torch.Tensor:
+    """Run ``fn`` once per group of this micro-batch; this rank's share of (sum / number of groups)."""
+    logprobs, mask = _unpacked_logprobs(prep, output_tensor, groups)
+    batch = prep.full_batch
+    members: dict = {}
+    start = 0
+    for sample, span, n in zip(batch.sample_ids, batch.padded_lengths, batch.seq_lengths, strict=True):
+        view = slice(start, start + max(n - 1, 0))
+        members.setdefault(group_ids[sample], []).append((sample, logprobs[view], mask[view]))
+        start += span
+    total = logprobs.new_zeros(())
+    for items in members.values():
+        total = total + _check_scalar(fn(sorted(items, key=lambda item: item[0])), "group_loss")
     return total / (totals.num_sequences * groups.cp_size)
 
 

@@ -104,11 +104,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _plan_config(cfg: TrainConfig, dp: int):
+def _cost_model(cfg: TrainConfig, vocab_size: int):
+    from .cost import CostModel
+
+    m = cfg.model
+    return CostModel.from_shape(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        vocab_size=vocab_size,
+        gated_mlp=False,
+    )
+
+
+def _plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None):
     from .planning import StepPlanConfig
 
     par = cfg.parallel
     common = dict(
+        balance=cfg.training.balance,
+        cost_model=_cost_model(cfg, vocab_size or cfg.data.vocab_size),
         dp_size=dp,
         tp_size=par.tp,
         pp_size=par.pp,
@@ -126,6 +143,7 @@ def _plan_config(cfg: TrainConfig, dp: int):
             algorithm=sp.algorithm,
             microbatch_order=sp.microbatch_order,
             sequence_length_round=math.lcm(sp.sequence_length_round, divisible),
+            cost_budget=sp.cost_budget,
             **common,
         )
     if cfg.dynamic_batching.enabled:
@@ -162,6 +180,20 @@ def _check_budget(plan_config, lengths: list[int], cfg: TrainConfig) -> None:
             f"per micro-batch) is smaller than the longest sample, {longest} tokens ({padded} padded). Raise "
             f"{key}.train_mb_tokens to at least {-(-padded // cfg.parallel.cp)}, or lower data.max_sample_tokens."
         )
+
+
+def _predict_seconds(history, lengths) -> float | None:
+    """Step time predicted by a cost model calibrated on the earlier steps (the first, a warm-up, is left
+    out), once three of them exist; None before that or when the fit is not usable."""
+    if len(history) < 4:
+        return None
+    from .cost import CostModel
+
+    try:
+        model = CostModel.calibrate([h[0] for h in history[1:]], [h[1] for h in history[1:]])
+    except ValueError:
+        return None
+    return float(model.sequence_cost(lengths).sum())
 
 
 class _Progress:
@@ -293,6 +325,7 @@ def train(cfg: TrainConfig) -> dict:
                 ) from exc
             writer = SummaryWriter(str(run_dir / "tensorboard"))
         metrics_path = run_dir / cfg.logging.metrics_file
+        history: list[tuple[list[int], float]] = []  # (lengths of the slowest rank, measured seconds)
         progress = _Progress(cfg.training.steps, cfg.logging.progress_bar and rank == 0)
         for step in range(start_step + 1, cfg.training.steps + 1):
             batch_ids = sampler.next_batch()
@@ -309,6 +342,10 @@ def train(cfg: TrainConfig) -> dict:
             optimizer.zero_grad(set_to_none=True)
             elapsed = time.perf_counter() - t0
             stats = plan.stats()
+            slowest = max(plan.micro_batches, key=lambda rank: sum(mb.cost for mb in rank))
+            slowest_lengths = [plan.lengths[i] for mb in slowest for i in mb.sample_indices]
+            predicted = _predict_seconds(history, slowest_lengths)
+            history.append((slowest_lengths, elapsed))
             record = {
                 "step": step,
                 "loss": result.loss,
@@ -318,6 +355,8 @@ def train(cfg: TrainConfig) -> dict:
                 "utilization": stats["utilization"],
                 "microbatches_per_rank": stats["num_microbatches_per_rank"],
                 "rank_tokens_max_over_mean": stats["rank_tokens_max_over_mean"],
+                "rank_cost_max_over_mean": stats["rank_cost_max_over_mean"],
+                "predicted_step_time_s": predicted,
                 "step_time_s": elapsed,
                 "sample_ids": batch_ids,
             }
@@ -330,6 +369,9 @@ def train(cfg: TrainConfig) -> dict:
                     f.write(json.dumps(record) + "\n")
                 if step % cfg.logging.log_interval == 0:
                     loss_text = f"{result.loss:.4f}" if result.loss is not None else "n/a (not last PP stage)"
+                    if predicted is not None:
+                        loss_text += f" | step {elapsed:.2f}s (predicted {predicted:.2f}s)"
+                    loss_text += f" | rank cost max/mean {record['rank_cost_max_over_mean']:.3f}"
                     log.info(
                         "step %d/%d loss %s | %.0f tok/s | useful %d / computed %d tokens (%.1f%%) | %d micro-batches"
                         "/rank",

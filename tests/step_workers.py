@@ -11,6 +11,7 @@ batch builder, attention, loss and driver, through Megatron's real schedules and
 from __future__ import annotations
 
 import re
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,15 @@ def build_gpt(config, spec, *, pre_process=True, post_process=True):
         share_embeddings_and_output_weights=False,
         pre_process=pre_process,
         post_process=post_process,
+    )
+
+
+def _attention_cost_model():
+    from mcore_packing.cost import CostModel
+
+    return CostModel.from_shape(
+        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+        vocab_size=VOCAB, gated_mlp=False,
     )
 
 
@@ -258,12 +268,30 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 sequence_parallel=sp,
                 fixed_length=None if not vsl else False,
                 microbatch_order=cfg.get("microbatch_order", "packer"),
+                balance=cfg.get("balance", "cost"),
+                cost_model=_attention_cost_model() if cfg.get("attention_cost") else None,
             )
             groups = ParallelGroups.from_megatron()
-            plan = plan_step(lengths, plan_config)
-            result = run_step(
-                ddp, seq_samples, plan, groups, normalization=cfg.get("normalization", "token_mean"), device="cpu"
-            )
+            if cfg.get("dpo"):
+                group_ids = [s["group"] for s in samples]
+                if cfg.get("wrong_pairs"):  # negative control: pair each rejected with the next chosen
+                    group_ids = [((i + 1) // 2) % (len(samples) // 2) for i in range(len(samples))]
+                ref_logps = {i: s["ref_logp"] for i, s in enumerate(samples)}
+                plan = plan_step(lengths, plan_config, groups=group_ids)
+                result = run_step(
+                    ddp,
+                    seq_samples,
+                    plan,
+                    groups,
+                    device="cpu",
+                    group_ids=group_ids,
+                    group_loss=partial(dpo_pair_loss, ref_logps=ref_logps),
+                )
+            else:
+                plan = plan_step(lengths, plan_config)
+                result = run_step(
+                    ddp, seq_samples, plan, groups, normalization=cfg.get("normalization", "token_mean"), device="cpu"
+                )
             grads = collect_full_grads(ddp, layer_offset)
             logprobs = None
             if cfg.get("logprobs"):
@@ -311,4 +339,53 @@ def plan_mismatch_worker(rank, world_size):
         message = None
     same = plan_step([10, 20, 30, 40], StepPlanConfig(train_mb_tokens=64, dp_size=world_size))
     verify_plan_across_ranks(same, dist.group.WORLD)  # agreeing ranks pass
-    return message
+    # Same lengths, different group ids on rank 1 (e.g. a loader that paired samples differently).
+    groups = [0, 0, 1, 1] if rank == 0 else [0, 1, 0, 1]
+    grouped = plan_step([10, 20, 30, 40], StepPlanConfig(train_mb_tokens=128, dp_size=world_size), groups=groups)
+    try:
+        verify_plan_across_ranks(grouped, dist.group.WORLD)
+    except ValueError as exc:
+        group_message = str(exc)
+    else:
+        group_message = None
+    return message, group_message
+
+
+DPO_BETA = 0.5
+
+
+def dpo_pair_loss(members, ref_logps, beta=DPO_BETA):
+    """DPO on one (chosen, rejected) pair from per-token log-probs: -logsigmoid(beta * margin)."""
+    (c_id, lp_c, m_c), (r_id, lp_r, m_r) = members
+    margin = ((lp_c * m_c).sum() - ref_logps[c_id]) - ((lp_r * m_r).sum() - ref_logps[r_id])
+    return -F.logsigmoid(beta * margin)
+
+
+def dpo_reference_worker(rank, world_size, samples):
+    """Stock model, one sequence per forward, DPO loss averaged over pairs in plain torch."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mcore_packing.megatron import cpu_device_adapter
+
+    _init()
+    with cpu_device_adapter():
+        torch.manual_seed(0)
+        model = build_gpt(model_config(), get_gpt_layer_local_spec())
+        state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+        sums = {}
+        for i, s in enumerate(samples):
+            t = torch.tensor(s["tokens"])
+            n = t.numel()
+            causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+            logits = model(t[None], torch.arange(n)[None], causal)[0]
+            logp = -F.cross_entropy(logits[:-1], t[1:], reduction="none")
+            sums[i] = (logp * torch.tensor(s["loss_mask"][1:])).sum()
+        pairs = sorted({s["group"] for s in samples})
+        loss = torch.zeros(())
+        for g in pairs:
+            c, r = [i for i, s in enumerate(samples) if s["group"] == g]
+            margin = (sums[c] - samples[c]["ref_logp"]) - (sums[r] - samples[r]["ref_logp"])
+            loss = loss - F.logsigmoid(DPO_BETA * margin) / len(pairs)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {"state_dict": state, "dpo": {"loss": float(loss), "grads": grads}}

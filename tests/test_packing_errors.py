@@ -61,8 +61,16 @@ def test_unknown_algorithm_lists_valid_names():
     with pytest.raises(ValueError) as err:
         get_packer("next_fit_magic", 10)
     msg = str(err.value)
-    for name in ["concatenative", "first_fit_decreasing", "first_fit_shuffle", "modified_first_fit_decreasing",
-                 "best_fit_decreasing", "ffd", "bfd", "mffd"]:
+    for name in [
+        "concatenative",
+        "first_fit_decreasing",
+        "first_fit_shuffle",
+        "modified_first_fit_decreasing",
+        "best_fit_decreasing",
+        "ffd",
+        "bfd",
+        "mffd",
+    ]:
         assert name in msg
 
 

@@ -103,6 +103,9 @@ TWO_RANKS = [
     {"mode": "packing", "cp": 2, "logprobs": True},
     {"mode": "packing", "cp": 2, "per_token_loss": True, "normalization": "sequence_mean"},
     {"mode": "dynamic", "cp": 2, "logprobs": True},
+    # Balancing only moves samples: attention-aware balance with the bubble order, and round-robin.
+    {"mode": "packing", "attention_cost": True, "microbatch_order": "bubble", "train_mb_tokens": 48},
+    {"mode": "packing", "balance": "round_robin", "train_mb_tokens": 48},
 ]
 
 

@@ -1,0 +1,136 @@
+"""Balancing micro-batches across data-parallel ranks by cost, and ordering them on a rank.
+
+The slowest data-parallel rank sets the step time, and tokens are not work: attention grows with the
+square of each sequence's length. This module works on per-micro-batch costs (`cost.CostModel`), never
+on their contents, so the hard token cap of every micro-batch is untouched: balancing only decides
+which rank runs which micro-batch.
+
+- `assign_balanced`: every rank gets exactly ``len(costs) / num_ranks`` micro-batches. Longest
+  processing time first (heaviest micro-batch to the least-loaded rank that still needs one), then
+  pairwise swaps between the most-loaded rank and each other rank while a swap lowers the maximum.
+- `assign_round_robin`: micro-batch ``i`` to rank ``i % num_ranks`` (what NeMo-RL does), for comparison.
+- `cost_capped_first_fit`: packing with a cost budget per bin as well as the token cap, so bins are even
+  in work, not just in tokens (first fit by decreasing cost under both limits).
+- `order_microbatches`: ``packer`` (as planned), ``largest_first`` (the caching allocator reuses the
+  biggest blocks; peak memory is reached at once), ``bubble`` (smallest micro-batches at both ends of the
+  step, largest in the middle: pipeline warm-up and cool-down, where stages idle, run the cheapest work).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+import numpy as np
+
+__all__ = [
+    "ORDERS",
+    "assign_balanced",
+    "assign_round_robin",
+    "cost_capped_first_fit",
+    "max_over_mean",
+    "order_microbatches",
+]
+
+ORDERS = ("packer", "largest_first", "bubble")
+
+
+def max_over_mean(loads) -> float:
+    loads = np.asarray(loads, dtype=np.float64)
+    return float(loads.max() / loads.mean()) if loads.size and loads.mean() > 0 else 1.0
+
+
+def assign_round_robin(num_items: int, num_ranks: int) -> list[list[int]]:
+    return [list(range(r, num_items, num_ranks)) for r in range(num_ranks)]
+
+
+def assign_balanced(costs, num_ranks: int, *, max_rounds: int = 1000) -> list[list[int]]:
+    """Indices of ``costs`` per rank, equal counts, minimizing the largest rank sum (LPT + swaps)."""
+    costs = np.asarray(costs, dtype=np.float64)
+    n = costs.size
+    if n % num_ranks:
+        raise ValueError(f"{n} micro-batches cannot be split equally over {num_ranks} ranks.")
+    per_rank = n // num_ranks
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    heap = [(0.0, r) for r in range(num_ranks)]
+    for i in np.argsort(-costs, kind="stable").tolist():
+        load, r = heapq.heappop(heap)
+        ranks[r].append(i)
+        if len(ranks[r]) < per_rank:
+            heapq.heappush(heap, (load + costs[i], r))
+    loads = np.array([costs[r].sum() for r in ranks])
+    for _ in range(max_rounds):
+        hi = int(np.argmax(loads))
+        best = None  # (new_max_of_pair, rank, position_in_hi, position_in_other)
+        mine = costs[ranks[hi]]
+        for r in range(num_ranks):
+            if r == hi:
+                continue
+            theirs = costs[ranks[r]]
+            gap = loads[hi] - loads[r]
+            # Swapping a (from hi) with b (from r) moves d = c_a - c_b; best when d is close to gap / 2.
+            diff = mine[:, None] - theirs[None, :]
+            useful = (diff > 0) & (diff < gap)
+            if not useful.any():
+                continue
+            pair_max = np.where(useful, np.maximum(loads[hi] - diff, loads[r] + diff), np.inf)
+            a, b = np.unravel_index(int(np.argmin(pair_max)), pair_max.shape)
+            if best is None or pair_max[a, b] < best[0]:
+                best = (float(pair_max[a, b]), r, int(a), int(b))
+        if best is None or best[0] >= loads[hi] - 1e-12 * max(loads[hi], 1.0):
+            break
+        _, r, a, b = best
+        ia, ib = ranks[hi][a], ranks[r][b]
+        ranks[hi][a], ranks[r][b] = ib, ia
+        loads[hi] += costs[ib] - costs[ia]
+        loads[r] += costs[ia] - costs[ib]
+    return [sorted(rank) for rank in ranks]
+
+
+def cost_capped_first_fit(tokens, costs, token_capacity: int, cost_budget: float) -> list[list[int]]:
+    """Bins of item indices with ``sum(tokens) <= token_capacity`` and ``sum(costs) <= cost_budget``.
+
+    Items go in order of decreasing cost to the first bin where both fit. Raises ValueError when one
+    item alone exceeds either limit.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    costs = np.asarray(costs, dtype=np.float64)
+    if tokens.size and tokens.max() > token_capacity:
+        i = int(np.argmax(tokens))
+        raise ValueError(f"item {i} has {int(tokens[i])} tokens, over the token capacity {token_capacity}.")
+    if costs.size and costs.max() > cost_budget:
+        i = int(np.argmax(costs))
+        raise ValueError(
+            f"cost budget {cost_budget:.4g} is below the costliest single sequence (item {i}, cost {costs[i]:.4g}); "
+            f"raise it to at least {costs[i]:.4g} or drop the cost budget."
+        )
+    room_tokens = np.empty(tokens.size, dtype=np.int64)
+    room_cost = np.empty(tokens.size, dtype=np.float64)
+    bins: list[list[int]] = []
+    for i in np.argsort(-costs, kind="stable").tolist():
+        nb = len(bins)
+        fits = np.flatnonzero((room_tokens[:nb] >= tokens[i]) & (room_cost[:nb] >= costs[i] - 1e-9 * cost_budget))
+        if fits.size:
+            b = int(fits[0])
+        else:
+            b = nb
+            bins.append([])
+            room_tokens[b] = token_capacity
+            room_cost[b] = cost_budget
+        bins[b].append(i)
+        room_tokens[b] -= tokens[i]
+        room_cost[b] -= costs[i]
+    return bins
+
+
+def order_microbatches(costs, order: str) -> list[int]:
+    """Positions of a rank's micro-batches in execution order."""
+    if order not in ORDERS:
+        raise ValueError(f"microbatch_order must be one of {ORDERS}, got {order!r}.")
+    costs = np.asarray(costs, dtype=np.float64)
+    if order == "packer":
+        return list(range(costs.size))
+    descending = np.argsort(-costs, kind="stable").tolist()
+    if order == "largest_first":
+        return descending
+    ascending = descending[::-1]
+    return ascending[0::2] + ascending[1::2][::-1]  # small ... large ... small

@@ -1,0 +1,191 @@
+"""Cost model, cost-aware rank balancing, micro-batch order, groups: properties and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mcore_packing.balance import (
+    assign_balanced,
+    assign_round_robin,
+    cost_capped_first_fit,
+    max_over_mean,
+    order_microbatches,
+)
+from mcore_packing.cost import CostModel
+from mcore_packing.planning import StepPlanConfig, plan_step
+
+
+def test_cost_model_hand_computed():
+    # L=2, h=8, 2 heads (d=4), 1 kv head, ffn 16 (gated: 3 matrices), vocab 10.
+    m = CostModel.from_shape(
+        num_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1,
+        ffn_hidden_size=16,
+        vocab_size=10,
+        gated_mlp=True,
+        training=False,
+    )
+    per_layer = 8 * (2 + 2 * 1) * 4 + 8 * 8 + 3 * 8 * 16
+    assert m.linear == 2 * 2 * per_layer + 2 * 8 * 10
+    assert m.quadratic == 2 * 2 * 8
+    assert m.sequence_cost([3]) == pytest.approx(m.linear * 3 + m.quadratic * 9)
+    assert m.sequence_cost([3], cp_size=2) == pytest.approx((m.linear * 3 + m.quadratic * 9) / 2)
+    trained = CostModel.from_shape(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=10)
+    assert trained.quadratic == 3 * 2 * 2 * 8  # forward + backward = 3x forward
+
+
+def test_attention_share_grows_with_length_like_published_figures():
+    llama8b = CostModel.from_shape(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+    )
+    short, long = llama8b.attention_share([4096]), llama8b.attention_share([32768])
+    assert 0.05 < short < 0.10 and 0.30 < long < 0.45  # published: ~8% at 4k, ~40% at 32k
+
+
+def test_calibration_recovers_coefficients():
+    rng = np.random.default_rng(0)
+    steps = [rng.integers(1, 4000, size=rng.integers(4, 30)).tolist() for _ in range(12)]
+    seconds = [2e-6 * sum(s) + 3e-10 * sum(x * x for x in s) for s in steps]
+    m = CostModel.calibrate(steps, seconds)
+    assert m.linear == pytest.approx(2e-6, rel=1e-6) and m.quadratic == pytest.approx(3e-10, rel=1e-6)
+    with pytest.raises(ValueError, match="at least two measured steps"):
+        CostModel.calibrate(steps[:1], seconds[:1])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.floats(0.1, 1000), min_size=1, max_size=64), st.integers(1, 8))
+def test_balanced_assignment_is_equal_count_and_never_worse_than_round_robin(costs, ranks):
+    costs = costs[: len(costs) // ranks * ranks] or costs[:ranks]
+    if len(costs) % ranks:
+        return
+    ours = assign_balanced(costs, ranks)
+    assert sorted(i for r in ours for i in r) == list(range(len(costs)))
+    assert len({len(r) for r in ours}) == 1
+    c = np.asarray(costs)
+    mine = max(c[r].sum() for r in ours)
+    rr = max(c[r].sum() for r in assign_round_robin(len(costs), ranks))
+    assert mine <= rr * (1 + 1e-9)
+    assert mine >= c.sum() / ranks * (1 - 1e-9)
+
+
+def test_swaps_fix_what_lpt_leaves():
+    costs = [5, 5, 4, 4, 3, 3, 3, 3]  # LPT with 4 per rank: {5,4,3,3}=15 and {5,4,3,3}=15 -> already even
+    ranks = assign_balanced(costs, 2)
+    assert max_over_mean([sum(costs[i] for i in r) for r in ranks]) == 1.0
+    costs = [10, 1, 1, 1, 7, 3, 2, 1]
+    loads = [sum(costs[i] for i in r) for r in assign_balanced(costs, 2)]
+    assert sorted(loads) == [13, 13]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 100), st.floats(0.1, 50)), min_size=1, max_size=60))
+def test_cost_capped_bins_respect_both_limits(items):
+    tokens = [t for t, _ in items]
+    costs = [c for _, c in items]
+    bins = cost_capped_first_fit(tokens, costs, 128, 60.0)
+    assert sorted(i for b in bins for i in b) == list(range(len(items)))
+    assert all(sum(tokens[i] for i in b) <= 128 for b in bins)
+    assert all(sum(costs[i] for i in b) <= 60.0 + 1e-6 for b in bins)
+
+
+def test_orders():
+    costs = [3, 9, 1, 7, 5]
+    assert order_microbatches(costs, "packer") == [0, 1, 2, 3, 4]
+    assert [costs[i] for i in order_microbatches(costs, "largest_first")] == [9, 7, 5, 3, 1]
+    bubble = [costs[i] for i in order_microbatches(costs, "bubble")]
+    assert bubble == [1, 5, 9, 7, 3]  # small at both ends, largest in the middle
+    with pytest.raises(ValueError, match="microbatch_order"):
+        order_microbatches(costs, "random")
+
+
+@st.composite
+def grouped_batches(draw):
+    num_groups = draw(st.integers(2, 20))
+    sizes = draw(st.lists(st.integers(1, 3), min_size=num_groups, max_size=num_groups))
+    groups = [g for g, k in enumerate(sizes) for _ in range(k)]
+    order = draw(st.permutations(range(len(groups))))
+    groups = [groups[i] for i in order]
+    lengths = draw(st.lists(st.integers(1, 60), min_size=len(groups), max_size=len(groups)))
+    return lengths, groups
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    grouped_batches(),
+    st.sampled_from(["cost", "tokens", "round_robin"]),
+    st.integers(1, 3),
+    st.sampled_from([None, "auto"]),
+    st.sampled_from(["packer", "largest_first", "bubble"]),
+)
+def test_plans_never_split_groups_never_exceed_the_cap_and_keep_equal_counts(batch, balance, dp, budget, order):
+    lengths, groups = batch
+    model = CostModel.from_shape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100)
+    config = StepPlanConfig(
+        train_mb_tokens=200, dp_size=dp, balance=balance, cost_model=model, cost_budget=budget, microbatch_order=order
+    )
+    if len(set(groups)) < dp:
+        return
+    plan = plan_step(lengths, config, groups=groups)
+    assert len({len(rank) for rank in plan.micro_batches}) == 1
+    where = {}
+    for r, rank in enumerate(plan.micro_batches):
+        for k, mb in enumerate(rank):
+            assert mb.padded_tokens <= config.row_capacity()
+            for i in mb.sample_indices:
+                where.setdefault(groups[i], set()).add((r, k))
+    assert all(len(places) == 1 for places in where.values())  # every group in exactly one micro-batch
+    assert sorted(plan.sample_order().tolist()) == list(range(len(lengths)))
+
+
+def test_cost_balance_beats_round_robin_on_long_tailed_32k():
+    from mcore_packing.data import sample_lengths
+
+    model = CostModel.from_shape(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+    )
+    pool = sample_lengths("lognormal", 100_000, 32768, seed=1)
+    lengths = pool[: int(np.searchsorted(np.cumsum(pool), 0.97 * 64 * 32768))]
+    results = {}
+    for balance in ("round_robin", "cost"):
+        plan = plan_step(lengths, StepPlanConfig(train_mb_tokens=32768, dp_size=8, balance=balance, cost_model=model))
+        results[balance] = max_over_mean([sum(mb.cost for mb in rank) for rank in plan.micro_batches])
+    assert results["cost"] <= 1.02 < results["round_robin"], results
+
+
+@pytest.mark.parametrize(
+    "kwargs, plan_kwargs, fragment",
+    [
+        ({"train_mb_tokens": 50}, {"groups": [0, 0, 1]}, "group 0 has 2 samples and 60 padded tokens"),
+        ({"mode": "dynamic"}, {"groups": [0, 0, 1]}, "need mode='packing'"),
+        ({}, {"groups": [0, 1]}, "groups has 2 entries for 3 samples"),
+        ({"cost_budget": 1.0}, {}, "below the costliest single sequence"),
+    ],
+)
+def test_bad_groups_and_budgets(kwargs, plan_kwargs, fragment):
+    with pytest.raises(ValueError) as err:
+        plan_step([30, 30, 20], StepPlanConfig(**kwargs), **plan_kwargs)
+    assert fragment in str(err.value)
+
+
+def test_bad_balance_config():
+    with pytest.raises(ValueError, match="balance must be one of"):
+        StepPlanConfig(balance="greedy")
+    with pytest.raises(ValueError, match="cost_budget must be a positive number"):
+        StepPlanConfig(cost_budget=-1)
+    with pytest.raises(ValueError, match="needs mode='packing'"):
+        StepPlanConfig(mode="dynamic", cost_budget="auto")
