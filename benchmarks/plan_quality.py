@@ -56,7 +56,7 @@ def main(argv=None) -> int:
             lengths = sample_lengths(dist, args.num, budget, seed=args.seed)
             for dp in args.dp:
                 for mode in ("packing", "dynamic"):
-                    cfg = StepPlanConfig(mode=mode, train_mb_tokens=budget, dp_size=dp)
+                    cfg = StepPlanConfig(mode=mode, train_mb_tokens=budget, dp_size=dp, cost_model=model)
                     start = time.perf_counter()
                     s = summarize(lengths, cfg, global_batch_size=args.global_batch_size, padded_rows=4, model=model)
                     seconds = time.perf_counter() - start

@@ -324,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dp", "tp", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument(
+        "--balance",
+        choices=["cost", "tokens", "round_robin"],
+        default="cost",
+        help="how micro-batches go to DP ranks (default: attention-aware cost)",
+    )
     p.add_argument("--recipe", help="take the model shape from a recipe (see mcore_packing.recipes)")
     for name, key in (
         ("layers", "num_layers"),
@@ -416,6 +422,8 @@ def _run(args: argparse.Namespace) -> int:
             cp_size=args.cp,
             sequence_parallel=args.sp,
             padded_rows=args.micro_batch_size,
+            balance=args.balance,
+            cost_model=model,
         )
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
@@ -473,6 +481,7 @@ def _run(args: argparse.Namespace) -> int:
             "pp": args.pp,
             "cp": args.cp,
             "sp": args.sp,
+            "balance": args.balance,
             "model_shape": shape,
         },
         "summary": {k: v for k, v in summary.items() if not k.startswith("_")},

@@ -73,6 +73,9 @@ def test_each_mode_trains_and_loss_decreases(tmp_path, mode_overrides, mode):
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.1, [r["loss"] for r in rows]
     if mode == "packing":
         assert all(r["utilization"] == 1.0 for r in rows)  # no padding without CP/TP multiples
+        assert all(r["rank_cost_max_over_mean"] >= 1.0 for r in rows)
+        assert [r["predicted_step_time_s"] is None for r in rows] == [True] * 4 + [False] * 2
+        assert all(r["predicted_step_time_s"] > 0 for r in rows[4:])
     else:
         assert all(r["useful_tokens"] <= r["padded_tokens"] for r in rows)
     assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
