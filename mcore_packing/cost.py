@@ -11,8 +11,8 @@ Training (forward + backward) is 3x forward. So ``cost(s) = a*s + b*s^2`` with `
 ``b = 3*2*L*h``. Under context parallelism each CP rank does ``1/cp`` of both parts (the load-balanced
 split makes attention work equal), so the per-rank cost is ``cost(s) / cp``.
 
-`CostModel.calibrate` fits ``a`` and ``b`` to measured step times instead (least squares on the
-tokens and the sum of squared lengths of each measured step), for hardware where FLOPs are not time.
+`CostModel.calibrate` fits ``a`` and ``b`` to measured step times instead (non-negative least squares on
+the tokens and the sum of squared lengths of each measured step), for hardware where FLOPs are not time.
 """
 
 from __future__ import annotations
@@ -70,14 +70,22 @@ class CostModel:
 
     @classmethod
     def calibrate(cls, steps: list[list[int]], seconds: list[float]) -> CostModel:
-        """Fit ``seconds ~ a * sum(s) + b * sum(s^2)`` over measured steps (each a list of lengths)."""
+        """Fit ``seconds ~ a * sum(s) + b * sum(s^2)`` over measured steps (each a list of lengths).
+
+        Non-negative least squares: the unconstrained fit when both coefficients are >= 0, else the
+        better of the two one-coefficient fits (noisy or narrow measurements can ask for a negative term).
+        """
         if len(steps) != len(seconds) or len(steps) < 2:
             raise ValueError("calibrate needs at least two measured steps, each with its lengths and its time.")
         design = np.array([[sum(s), sum(x * x for x in s)] for s in steps], dtype=np.float64)
-        (a, b), *_ = np.linalg.lstsq(design, np.asarray(seconds, dtype=np.float64), rcond=None)
+        target = np.asarray(seconds, dtype=np.float64)
+        (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
         if a < 0 or b < 0:
-            raise ValueError(
-                f"calibration gave a negative coefficient (a={a:.3g}, b={b:.3g}); measure steps whose lengths "
-                "differ more (short and long sequences), or use CostModel.from_shape."
-            )
+            candidates = []
+            for column in (0, 1):
+                x = design[:, column]
+                coef = max(float(x @ target) / float(x @ x), 0.0) if float(x @ x) > 0 else 0.0
+                candidates.append((float(((x * coef - target) ** 2).sum()), column, coef))
+            _, column, coef = min(candidates)
+            a, b = (coef, 0.0) if column == 0 else (0.0, coef)
         return cls(linear=float(a), quadratic=float(b), unit="s")

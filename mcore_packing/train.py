@@ -184,15 +184,12 @@ def _check_budget(plan_config, lengths: list[int], cfg: TrainConfig) -> None:
 
 def _predict_seconds(history, lengths) -> float | None:
     """Step time predicted by a cost model calibrated on the earlier steps (the first, a warm-up, is left
-    out), once three of them exist; None before that or when the fit is not usable."""
+    out), once three of them exist; None before that."""
     if len(history) < 4:
         return None
     from .cost import CostModel
 
-    try:
-        model = CostModel.calibrate([h[0] for h in history[1:]], [h[1] for h in history[1:]])
-    except ValueError:
-        return None
+    model = CostModel.calibrate([h[0] for h in history[1:]], [h[1] for h in history[1:]])
     return float(model.sequence_cost(lengths).sum())
 
 

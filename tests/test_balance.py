@@ -60,6 +60,9 @@ def test_calibration_recovers_coefficients():
     assert m.linear == pytest.approx(2e-6, rel=1e-6) and m.quadratic == pytest.approx(3e-10, rel=1e-6)
     with pytest.raises(ValueError, match="at least two measured steps"):
         CostModel.calibrate(steps[:1], seconds[:1])
+    # Times that fall with the squared term would need b < 0: the fit stays non-negative.
+    noisy = CostModel.calibrate([[100], [10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]], [1.0, 1.2])
+    assert noisy.linear >= 0 and noisy.quadratic >= 0 and noisy.linear + noisy.quadratic > 0
 
 
 @settings(max_examples=100, deadline=None)
