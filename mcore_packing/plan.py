@@ -85,29 +85,14 @@ def _parse_int(token: str, index: int, path: str) -> int:
 
 def jsonl_lengths(path: str, field: str, encoding: str) -> np.ndarray:
     """Token counts of ``field`` in every record of a JSONL file (quicktok, bundled vocabulary)."""
-    from .data.real_text import get_tokenizer
-
-    file = Path(path)
-    if not file.is_file():
-        raise PlanInputError(f"JSONL file {path!r} does not exist.")
-    texts = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PlanInputError(f"{path}:{line_no} is not valid JSON ({exc.msg}).") from None
-            if field not in record:
-                raise PlanInputError(
-                    f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); pass --field NAME."
-                )
-            texts.append(str(record[field]))
-    if not texts:
-        raise PlanInputError(f"{path} holds no records; the data set is empty.")
     import quicktok
 
+    from .data.real_text import get_tokenizer, read_jsonl_texts
+
+    try:
+        texts = read_jsonl_texts(path, field)
+    except (FileNotFoundError, ValueError) as exc:
+        raise PlanInputError(f"{exc} (pass --field NAME for another field)") from None
     return np.asarray(quicktok.count_batch(get_tokenizer(encoding), texts), dtype=np.int64)
 
 

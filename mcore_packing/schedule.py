@@ -331,20 +331,11 @@ def run_step(
             calculate_per_token_loss=per_token,
         )
 
-    iterator = iter(prepared)
-
-    def forward_step(data_iterator, model_chunk):
-        prep = next(data_iterator)
-        output = model_chunk(
-            prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params
-        )
-        return output, partial(loss_func, prep)
-
     seq_length, micro_batch_size = _schedule_shapes(plan, model_config)
     forward_backward = get_forward_backward_func()
     store = forward_backward(
-        forward_step_func=forward_step,
-        data_iterator=iterator,
+        forward_step_func=_forward_step(loss_func),
+        data_iterator=iter(prepared),
         model=model if isinstance(model, list) else [model],
         num_microbatches=num_microbatches,
         seq_length=seq_length,
@@ -429,6 +420,20 @@ def _group_loss_sum(prep, output_tensor, fn, group_ids, groups, totals) -> torch
     return total / (totals.num_sequences * groups.cp_size)
 
 
+def _forward_step(loss_func):
+    """Megatron's ``forward_step_func``: the next prepared micro-batch through the model chunk; the
+    per-token losses go to ``loss_func(prepared, output)`` on the last stage."""
+
+    def forward_step(data_iterator, model_chunk):
+        prep = next(data_iterator)
+        output = model_chunk(
+            prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params
+        )
+        return output, partial(loss_func, prep)
+
+    return forward_step
+
+
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
@@ -468,17 +473,10 @@ def compute_logprobs(
         _scatter_logprobs(prep, logprobs, groups, out)
         return output_tensor.new_zeros(()), {}
 
-    def forward_step(data_iterator, model_chunk):
-        prep = next(data_iterator)
-        output = model_chunk(
-            prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params
-        )
-        return output, partial(loss_func, prep)
-
     seq_length, micro_batch_size = _schedule_shapes(plan, model_config)
     with torch.no_grad():
         get_forward_backward_func()(
-            forward_step_func=forward_step,
+            forward_step_func=_forward_step(loss_func),
             data_iterator=iter(prepared),
             model=model if isinstance(model, list) else [model],
             num_microbatches=len(prepared),

@@ -257,7 +257,10 @@ def train(cfg: TrainConfig) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     validate_config(cfg, world)
     par = cfg.parallel
-    data = load_sft_data(**asdict(cfg.data))
+    try:
+        data = load_sft_data(**asdict(cfg.data))
+    except (ValueError, FileNotFoundError) as exc:  # user data problems: say so, exit 2
+        raise ConfigError(f"data: {exc}") from None
     lengths_all = [len(s.tokens) for s in data.samples]
     plan_config = _plan_config(cfg, world // (par.tp * par.pp * par.cp))
     _check_budget(plan_config, lengths_all, cfg)

@@ -138,3 +138,26 @@ def test_torchrun_two_ranks(tmp_path, parallel):
     assert rows[-1]["loss"] < rows[0]["loss"]
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
+
+
+@pytest.mark.slow
+def test_users_jsonl_data(tmp_path):
+    from mcore_packing.data.real_text import stdlib_source_texts
+
+    texts = [t[:3000] for t in stdlib_source_texts()[:40]]  # real text: the first 40 stdlib modules
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps({"content": t}) for t in texts) + "\n")
+    proc = train(
+        tmp_path / "run",
+        "data=jsonl",
+        f"data.path={path}",
+        "data.text_field=content",
+        "data.num_samples=null",
+        "training.steps=3",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    info = next(line for line in proc.stdout.splitlines() if '"source": "jsonl"' in line)
+    assert '"num_records": 40' in info
+    assert len(metrics(tmp_path / "run")) == 3
+    bad = train(tmp_path / "bad", "data=jsonl", f"data.path={path}", "data.text_field=body", timeout=120)
+    assert bad.returncode == 2 and "has no field 'body'" in bad.stderr

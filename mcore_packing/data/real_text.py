@@ -19,7 +19,14 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["REAL_CORPORA", "champ_conversation_texts", "get_tokenizer", "real_corpus_lengths", "stdlib_source_texts"]
+__all__ = [
+    "REAL_CORPORA",
+    "champ_conversation_texts",
+    "get_tokenizer",
+    "read_jsonl_texts",
+    "real_corpus_lengths",
+    "stdlib_source_texts",
+]
 
 REAL_CORPORA = ("champ", "stdlib")
 DEFAULT_ENCODING = "qwen3"
@@ -93,3 +100,27 @@ def real_corpus_lengths(corpus: str, encoding: str = DEFAULT_ENCODING) -> np.nda
     lengths = np.asarray(counts, dtype=np.int64)
     lengths.setflags(write=False)
     return lengths
+
+
+def read_jsonl_texts(path: str, field: str) -> list[str]:
+    """The ``field`` of every record of a JSONL file; errors name the file, line and fix."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"JSONL file {path!r} does not exist.")
+    texts = []
+    with file.open(encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no} is not valid JSON ({exc.msg}).") from None
+            if field not in record:
+                raise ValueError(
+                    f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set the field name."
+                )
+            texts.append(str(record[field]))
+    if not texts:
+        raise ValueError(f"{path} holds no records; the data set is empty.")
+    return texts

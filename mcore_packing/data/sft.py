@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from ..batch import SequenceSample
-from .real_text import get_tokenizer
+from .real_text import get_tokenizer, read_jsonl_texts
 
 __all__ = ["SftData", "load_sft_data"]
 
@@ -59,26 +58,7 @@ def _champ_segments(learn_prompt: bool) -> list[list[tuple[str, bool]]]:
 
 
 def _jsonl_segments(path: str, field: str) -> list[list[tuple[str, bool]]]:
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"data.path={path!r} does not exist; point it at a JSONL file.")
-    out = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({exc.msg}).") from None
-            if field not in record:
-                raise ValueError(
-                    f"{path}:{line_no} has no field {field!r} (fields: {sorted(record)}); set data.text_field."
-                )
-            out.append([(str(record[field]), True)])
-    if not out:
-        raise ValueError(f"{path} holds no records; the data set is empty.")
-    return out
+    return [[(text, True)] for text in read_jsonl_texts(path, field)]
 
 
 def load_sft_data(

@@ -166,25 +166,34 @@ def _place_group_scan(s, count, start, num_bins, residual, block_max, bin_ids, b
     candidates = np.flatnonzero(open_residual >= s)
     if candidates.size == 0:
         return 0, s - 1
-    cand_residual = open_residual[candidates]
+    placed, candidates, all_used = _fill(
+        s, count, start, candidates, open_residual[candidates], residual, bin_ids, best_fit
+    )
+    return placed, (s - 1 if all_used else max_residual)
+
+
+def _fill(s, count, start, candidates, cand_residual, residual, bin_ids, best_fit):
+    """Put up to ``count`` items of length ``s`` into ``candidates`` (bins that fit one, in index order),
+    each taking ``residual // s``: by index (first fit) or by increasing residual (best fit).
+
+    Returns ``(placed, bins used, whether every candidate was filled below s)``.
+    """
     if best_fit:
         by_residual = np.argsort(cand_residual, kind="stable")
         candidates = candidates[by_residual]
         cand_residual = cand_residual[by_residual]
     fits = cand_residual // s
     cumulative = np.cumsum(fits)
-    if cumulative[-1] > count:
+    all_used = cumulative[-1] <= count
+    if not all_used:
         last = int(np.searchsorted(cumulative, count))
         candidates = candidates[: last + 1]
         fits = fits[: last + 1]
         fits[-1] -= int(cumulative[last]) - count
-        placed = count
-    else:
-        placed = int(cumulative[-1])
-        max_residual = s - 1
+    placed = int(fits.sum())
     bin_ids[start : start + placed] = np.repeat(candidates, fits)
     residual[candidates] -= fits * s
-    return placed, max_residual
+    return placed, candidates, all_used
 
 
 def _place_group(s, count, start, blocks, by_block, residual, block_max, bin_ids, best_fit, max_residual):
@@ -200,30 +209,14 @@ def _place_group(s, count, start, blocks, by_block, residual, block_max, bin_ids
         rows, cols = np.nonzero(block_res >= s)
         candidates = chosen[rows] * _BLOCK + cols
         cand_residual = block_res[rows, cols]
-        fits = cand_residual // s
-        cumulative = np.cumsum(fits)
-        if take == blocks.size or (fits.size and cumulative[-1] >= count):
+        if take == blocks.size or (cand_residual.size and int((cand_residual // s).sum()) >= count):
             break
         take = min(blocks.size, take * 4)
-    if fits.size == 0:
+    if cand_residual.size == 0:
         return 0, s - 1
-    if best_fit:
-        by_residual = np.argsort(cand_residual, kind="stable")
-        candidates = candidates[by_residual]
-        fits = fits[by_residual]
-        cumulative = np.cumsum(fits)
-    if cumulative[-1] > count:
-        last = int(np.searchsorted(cumulative, count))
-        candidates = candidates[: last + 1]
-        fits = fits[: last + 1]
-        fits[-1] -= int(cumulative[last]) - count
-        placed = count
-    else:
-        placed = int(cumulative[-1])
-        if take == blocks.size:
-            max_residual = s - 1  # every fitting bin is now below s
-    bin_ids[start : start + placed] = np.repeat(candidates, fits)
-    residual[candidates] -= fits * s
+    placed, candidates, all_used = _fill(s, count, start, candidates, cand_residual, residual, bin_ids, best_fit)
+    if all_used and take == blocks.size:
+        max_residual = s - 1  # every fitting bin is now below s
     touched = np.unique(candidates // _BLOCK)
     block_max[touched] = by_block[touched].max(axis=1)
     return placed, max_residual
