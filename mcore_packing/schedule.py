@@ -88,23 +88,6 @@ class PreparedMicroBatch:
     local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
 
 
-def _shifted_row(sample: SequenceSample, width: int, pad_token_id: int):
-    tokens = torch.as_tensor(sample.tokens, dtype=torch.long).reshape(-1)
-    n = tokens.numel()
-    mask = (
-        torch.ones(n)
-        if sample.loss_mask is None
-        else torch.as_tensor(sample.loss_mask, dtype=torch.float32).reshape(-1)
-    )
-    row = torch.full((width,), pad_token_id, dtype=torch.long)
-    labels = torch.full((width,), pad_token_id, dtype=torch.long)
-    loss_mask = torch.zeros(width)
-    row[:n] = tokens
-    labels[: n - 1] = tokens[1:]
-    loss_mask[: n - 1] = mask[1:]
-    return row, labels, loss_mask
-
-
 def prepare_micro_batch(
     mb: MicroBatchPlan,
     samples: Sequence[SequenceSample],
@@ -151,10 +134,11 @@ def prepare_micro_batch(
             local_valid_tokens=int(local.loss_mask.sum().item()),
         )
     rows, width = mb.shape
-    built = [_shifted_row(s, width, pad_token_id) for s in chosen]
-    tokens = torch.stack([b[0] for b in built])
-    labels = torch.stack([b[1] for b in built])
-    loss_mask = torch.stack([b[2] for b in built])
+    # Each BSHD row is a one-sequence packed row padded to the micro-batch width (same label shift).
+    built = [build_packed_batch([s], pad_to=width, pad_token_id=pad_token_id) for s in chosen]
+    tokens = torch.cat([b.tokens for b in built])
+    labels = torch.cat([b.labels for b in built])
+    loss_mask = torch.cat([b.loss_mask for b in built])
     weights = (
         token_weights(loss_mask.reshape(-1), [width] * rows, normalization, totals).reshape(rows, width)
         if totals is not None
