@@ -348,19 +348,15 @@ def _model_from_args(args) -> tuple[CostModel, dict]:
 
         if args.recipe not in RECIPES:
             raise PlanInputError(f"Unknown recipe {args.recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
-        m = (
-            RECIPES[args.recipe](num_nodes=1, gpus_per_node=8)
-            if args.recipe != "llama3_70b_sft_long_context"
-            else RECIPES[args.recipe]()
-        )
-        m = m.model
+        recipe = RECIPES[args.recipe]()  # each recipe's default cluster fits its layout
+        m = recipe.model
         shape = dict(
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
             num_attention_heads=m.num_attention_heads,
             num_query_groups=m.num_query_groups,
             ffn_hidden_size=m.ffn_hidden_size,
-            vocab_size=shape["vocab_size"],
+            vocab_size=recipe.data.vocab_size,
         )
     for key in (
         "num_layers",

@@ -120,3 +120,16 @@ def test_missing_files_and_fields_exit_2(tmp_path, capsys):
     empty.write_text("\n")
     code, _, err = run(capsys, "--jsonl", str(empty), "--no-png")
     assert code == 2 and "empty" in err
+
+
+def test_model_shape_from_a_recipe_changes_the_cost(capsys):
+    args = ["--json", "--no-png", "--no-recommend", "--global-batch-size", "256", "--dp", "4"]
+    code, out, _ = run(capsys, *args, "--recipe", "qwen2_7b_grpo_cp")
+    assert code == 0
+    doc = json.loads(out)
+    assert doc["config"]["model_shape"]["num_layers"] == 28 and doc["config"]["model_shape"]["vocab_size"] == 152064
+    code, out, _ = run(capsys, *args, "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab", "1000")
+    small = json.loads(out)
+    assert small["summary"]["attention_share_of_real_work"] > doc["summary"]["attention_share_of_real_work"]
+    code, _, err = run(capsys, "--recipe", "nope", "--no-png")
+    assert code == 2 and "Available:" in err
