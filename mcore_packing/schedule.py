@@ -189,9 +189,9 @@ def local_step_counts(
 
 @dataclass(frozen=True)
 class StepResult:
-    """Outcome of one step on this rank. ``loss`` is the exact global loss (None off the last PP stage)."""
+    """Outcome of one step on this rank. ``loss`` is the exact global loss (on every rank)."""
 
-    loss: float | None
+    loss: float
     num_tokens: int
     num_sequences: int
     num_microbatches: int
@@ -326,16 +326,16 @@ def run_step(
         micro_batch_size=micro_batch_size,
         forward_only=forward_only,
     )
-    loss = None
+    loss = torch.zeros(1)
     if groups.is_last_stage:
-        local = torch.zeros(1)
         for item in store:
-            local += item["weighted_loss"].float().cpu()
+            loss += item["weighted_loss"].float().cpu()
         if groups.dp_cp is not None and dist.get_world_size(groups.dp_cp) > 1:
-            dist.all_reduce(local, group=groups.dp_cp)
-        loss = float(local.item())
+            dist.all_reduce(loss, group=groups.dp_cp)
+    if groups.pp is not None and groups.pp_size > 1:  # every stage reports the step's loss
+        dist.broadcast(loss, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
     return StepResult(
-        loss=loss,
+        loss=float(loss.item()),
         num_tokens=totals.num_tokens,
         num_sequences=totals.num_sequences,
         num_microbatches=num_microbatches,

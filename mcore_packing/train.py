@@ -250,7 +250,7 @@ def _load_latest(cfg, model, optimizer, sampler, rank) -> int:
 
 
 def train(cfg: TrainConfig) -> dict:
-    """Run training; returns a summary (rank 0 has the losses)."""
+    """Run training; returns a summary with the step losses (the same on every rank)."""
     import contextlib
 
     # Everything that can be checked without Megatron is checked first: errors come in a second.
@@ -360,15 +360,14 @@ def train(cfg: TrainConfig) -> dict:
                 "step_time_s": elapsed,
                 "sample_ids": batch_ids,
             }
-            if groups.is_last_stage and result.loss is not None:
-                summary["losses"].append(result.loss)
+            summary["losses"].append(result.loss)
             summary["steps"].append(step)
             summary["sample_ids"].append(batch_ids)
             if rank == 0:
                 with metrics_path.open("a") as f:
                     f.write(json.dumps(record) + "\n")
                 if step % cfg.logging.log_interval == 0:
-                    loss_text = f"{result.loss:.4f}" if result.loss is not None else "n/a (not last PP stage)"
+                    loss_text = f"{result.loss:.4f}"
                     if predicted is not None:
                         loss_text += f" | step {elapsed:.2f}s (predicted {predicted:.2f}s)"
                     loss_text += f" | rank cost max/mean {record['rank_cost_max_over_mean']:.3f}"
@@ -385,10 +384,18 @@ def train(cfg: TrainConfig) -> dict:
                         record["microbatches_per_rank"],
                     )
                 if writer is not None:
-                    for key in ("loss", "tokens_per_s", "utilization", "microbatches_per_rank"):
+                    for key in (
+                        "loss",
+                        "tokens_per_s",
+                        "utilization",
+                        "microbatches_per_rank",
+                        "rank_cost_max_over_mean",
+                        "predicted_step_time_s",
+                        "step_time_s",
+                    ):
                         if record[key] is not None:
                             writer.add_scalar(f"train/{key}", record[key], step)
-                progress.update(step, f"loss {result.loss:.3f}" if result.loss is not None else "")
+                progress.update(step, f"loss {result.loss:.3f}")
             if cfg.training.save_interval and step % cfg.training.save_interval == 0:
                 _save(cfg, step, model, optimizer, sampler, rank)
         if cfg.training.steps > start_step and not (

@@ -64,8 +64,13 @@ def _attention_cost_model():
     from mcore_packing.cost import CostModel
 
     return CostModel.from_shape(
-        num_layers=NUM_LAYERS, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-        vocab_size=VOCAB, gated_mlp=False,
+        num_layers=NUM_LAYERS,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=VOCAB,
+        gated_mlp=False,
     )
 
 
@@ -307,7 +312,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         merged = {}
         for item in gathered:
             merged.update(item["grads"])
-        losses = [item["loss"] for item in gathered if item["loss"] is not None]
+        losses = [item["loss"] for item in gathered]
         results.append(
             {
                 "config": cfg,
