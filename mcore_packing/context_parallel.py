@@ -27,11 +27,13 @@ from .batch import PackedBatch
 from .compat import te_thd_partitioned_indices
 
 __all__ = [
+    "bshd_inverse_order",
     "bshd_partition_indices",
     "gather_bshd_from_cp",
     "gather_from_cp",
     "slice_bshd_for_cp",
     "slice_for_cp",
+    "thd_inverse_order",
     "thd_partition_indices",
 ]
 
@@ -169,11 +171,22 @@ def all_gather_cat(local: torch.Tensor, group) -> torch.Tensor:
     return _AllGatherCat.apply(local, group)
 
 
-def _inverse_order(cu_seqlens_padded, total_tokens: int, cp_size: int) -> torch.Tensor:
-    order = torch.cat([thd_partition_indices(cu_seqlens_padded, total_tokens, cp_size, r) for r in range(cp_size)])
+def _inverse(order: torch.Tensor) -> torch.Tensor:
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     return inverse
+
+
+def thd_inverse_order(cu_seqlens_padded, total_tokens: int, cp_size: int) -> torch.Tensor:
+    """Index that puts the rank-ordered concatenation of all CP shards back into packed order."""
+    return _inverse(
+        torch.cat([thd_partition_indices(cu_seqlens_padded, total_tokens, cp_size, r) for r in range(cp_size)])
+    )
+
+
+def bshd_inverse_order(seq_len: int, cp_size: int) -> torch.Tensor:
+    """Index that puts the rank-ordered concatenation of a row's CP shards back into position order."""
+    return _inverse(torch.cat([bshd_partition_indices(seq_len, cp_size, r) for r in range(cp_size)]))
 
 
 def gather_from_cp(local: torch.Tensor, batch: PackedBatch, group) -> torch.Tensor:
@@ -188,7 +201,7 @@ def gather_from_cp(local: torch.Tensor, batch: PackedBatch, group) -> torch.Tens
             f"{batch.total_tokens} tokens needs {batch.total_tokens // cp_size} per rank."
         )
     gathered = all_gather_cat(local, group)
-    inverse = _inverse_order(batch.cu_seqlens_padded, batch.total_tokens, cp_size).to(local.device)
+    inverse = thd_inverse_order(batch.cu_seqlens_padded, batch.total_tokens, cp_size).to(local.device)
     return gathered[inverse]
 
 
@@ -217,8 +230,5 @@ def gather_bshd_from_cp(local: torch.Tensor, group, seq_dim: int = 1) -> torch.T
     cp_size = dist.get_world_size(group)
     moved = local.movedim(seq_dim, 0)
     gathered = all_gather_cat(moved, group)
-    seq_len = gathered.shape[0]
-    order = torch.cat([bshd_partition_indices(seq_len, cp_size, r) for r in range(cp_size)])
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(seq_len)
-    return gathered[inverse.to(local.device)].movedim(0, seq_dim)
+    inverse = bshd_inverse_order(gathered.shape[0], cp_size).to(local.device)
+    return gathered[inverse].movedim(0, seq_dim)

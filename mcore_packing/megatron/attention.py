@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..compat import require_megatron, varlen_attn_available
-from ..context_parallel import all_gather_cat, bshd_partition_indices, thd_partition_indices
+from ..context_parallel import all_gather_cat, bshd_inverse_order, bshd_partition_indices, thd_inverse_order
 
 require_megatron()
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
@@ -204,15 +204,12 @@ class PackedCoreAttention(MegatronModule):
     def _thd_context_parallel(self, q, k, v, layout: ThdLayout) -> torch.Tensor:
         cp, rank = self.cp_size, self.cp_rank
         cu = [0, *[a + b for a, b in zip(layout.padded_starts, layout.padded_lengths, strict=True)]]
-        order = torch.cat([thd_partition_indices(cu, layout.total, cp, r) for r in range(cp)])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel())
-        k_full, v_full = self._gather_kv(k, v, inverse.to(q.device))
+        k_full, v_full = self._gather_kv(k, v, thd_inverse_order(cu, layout.total, cp).to(q.device))
         out = torch.empty_like(q)
         local = 0
         for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True):
             chunk = span // (2 * cp)
-            positions = _zigzag_positions(chunk, cp, rank, q.device)
+            positions = bshd_partition_indices(span, cp, rank).to(q.device)  # global positions of local queries
             visible = int(positions[-1]) + 1  # keys after the last local query are never attended
             mask = torch.arange(visible, device=q.device)[None, :] <= positions[:, None]
             s = slice(local, local + 2 * chunk)
@@ -229,20 +226,10 @@ class PackedCoreAttention(MegatronModule):
             return out.reshape(s, b, -1)
         cp, rank = self.cp_size, self.cp_rank
         seq_len = s * cp
-        order = torch.cat([bshd_partition_indices(seq_len, cp, r) for r in range(cp)])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(seq_len)
-        k_full, v_full = self._gather_kv(k, v, inverse.to(q.device))
-        positions = _zigzag_positions(seq_len // (2 * cp), cp, rank, q.device)
+        k_full, v_full = self._gather_kv(k, v, bshd_inverse_order(seq_len, cp).to(q.device))
+        positions = bshd_partition_indices(seq_len, cp, rank).to(q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
         out = torch.stack(
             [self._sdpa(q[:, i], k_full[:, i], v_full[:, i], causal=False, mask=mask) for i in range(b)], dim=1
         )
         return out.reshape(s, b, -1)
-
-
-def _zigzag_positions(chunk: int, cp: int, rank: int, device) -> torch.Tensor:
-    """Global positions (within a sequence) of the local tokens: chunk ``rank`` then chunk ``2cp-1-rank``."""
-    front = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
-    back = torch.arange((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk, device=device)
-    return torch.cat([front, back])
