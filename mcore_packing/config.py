@@ -26,6 +26,7 @@ __all__ = [
     "TrainConfig",
     "TrainingConfig",
     "check_unknown_keys",
+    "model_shape",
     "register_configs",
     "to_train_config",
     "validate_config",
@@ -145,6 +146,19 @@ GROUPS = {
     "logging": LoggingConfig,
     "cluster": ClusterConfig,
 }
+
+
+def model_shape(cfg: TrainConfig, vocab_size: int | None = None) -> dict:
+    """The model dimensions `cost.CostModel.from_shape` takes, from a config (vocabulary from ``data``)."""
+    m = cfg.model
+    return dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        ffn_hidden_size=m.ffn_hidden_size,
+        vocab_size=vocab_size or cfg.data.vocab_size,
+    )
 
 
 def register_configs() -> None:

@@ -29,22 +29,17 @@ from pathlib import Path
 
 import numpy as np
 
+from .config import model_shape
 from .cost import CostModel
 from .data.real_text import REAL_CORPORA, real_corpus_lengths
 from .packing import DEFAULT_ALGORITHM, PackingMetrics, get_packer, resolve_algorithm
 from .planning import MODES, StepPlanConfig, plan_step
+from .recipes import RECIPES, llama3_8b_sft_packed
 
 __all__ = ["PlanInputError", "load_lengths", "main", "summarize"]
 
-# Default model shape for cost numbers: Llama-3-8B.
-DEFAULT_SHAPE = dict(
-    num_layers=32,
-    hidden_size=4096,
-    num_attention_heads=32,
-    num_query_groups=8,
-    ffn_hidden_size=14336,
-    vocab_size=128256,
-)
+# Default model shape for cost numbers: the Llama-3-8B recipe's.
+DEFAULT_SHAPE = model_shape(llama3_8b_sft_packed())
 
 
 class PlanInputError(ValueError):
@@ -344,20 +339,9 @@ def main(argv: list[str] | None = None) -> int:
 def _model_from_args(args) -> tuple[CostModel, dict]:
     shape = dict(DEFAULT_SHAPE)
     if args.recipe:
-        from .recipes import RECIPES
-
         if args.recipe not in RECIPES:
             raise PlanInputError(f"Unknown recipe {args.recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
-        recipe = RECIPES[args.recipe]()  # each recipe's default cluster fits its layout
-        m = recipe.model
-        shape = dict(
-            num_layers=m.num_layers,
-            hidden_size=m.hidden_size,
-            num_attention_heads=m.num_attention_heads,
-            num_query_groups=m.num_query_groups,
-            ffn_hidden_size=m.ffn_hidden_size,
-            vocab_size=recipe.data.vocab_size,
-        )
+        shape = model_shape(RECIPES[args.recipe]())  # each recipe's default cluster fits its layout
     for key in (
         "num_layers",
         "hidden_size",

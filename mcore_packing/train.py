@@ -27,7 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ConfigError, TrainConfig, check_unknown_keys, register_configs, to_train_config, validate_config
+from .config import (
+    ConfigError,
+    TrainConfig,
+    check_unknown_keys,
+    model_shape,
+    register_configs,
+    to_train_config,
+    validate_config,
+)
 from .data.sft import load_sft_data
 
 log = logging.getLogger("mcore_packing.train")
@@ -107,16 +115,7 @@ def _free_port() -> int:
 def _cost_model(cfg: TrainConfig, vocab_size: int):
     from .cost import CostModel
 
-    m = cfg.model
-    return CostModel.from_shape(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        num_query_groups=m.num_query_groups,
-        ffn_hidden_size=m.ffn_hidden_size,
-        vocab_size=vocab_size,
-        gated_mlp=False,
-    )
+    return CostModel.from_shape(**model_shape(cfg, vocab_size), gated_mlp=False)  # local spec: GELU MLP
 
 
 def _plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None):
