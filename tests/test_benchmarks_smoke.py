@@ -35,6 +35,7 @@ def test_packing_speed_small(tmp_path):
     doc = json.loads(out.read_text())
     algorithms = {r["algorithm"] for r in doc["rows"]}
     assert {"first_fit_decreasing", "modified_first_fit_decreasing", "naive_ffd_baseline"} <= algorithms
+    assert {"modified_first_fit_decreasing-refine", "first_fit_decreasing+refine"} <= algorithms
     assert "speed-up" in proc.stdout
 
 

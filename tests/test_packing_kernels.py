@@ -1,6 +1,7 @@
 """Every internal path of the decreasing-fit kernel gives the textbook bins.
 
-The kernel picks between a per-item segment tree, a grouped flat scan and a grouped block-indexed scan
+The kernel picks between a per-item structure (segment tree for first fit, residual buckets for best
+fit), a grouped flat scan and a grouped block-indexed scan
 by size; small hypothesis cases would only reach some of them, so each path is forced here.
 """
 
@@ -17,9 +18,9 @@ from .packing_reference import reference_decreasing_fit
 
 # The fixture patches module constants once per test; hypothesis examples then all run on that path.
 PATHS = {
-    "per_item": {"_PER_ITEM_RATIO": 10**9},
-    "grouped_flat": {"_PER_ITEM_RATIO": 0, "_SMALL": 10**9},
-    "grouped_blocks": {"_PER_ITEM_RATIO": 0, "_SMALL": 0, "_BLOCK": 4},
+    "per_item": {"_PER_ITEM_RATIO": 10**9, "_BEST_FIT_PER_ITEM_RATIO": 10**9},
+    "grouped_flat": {"_PER_ITEM_RATIO": 0, "_BEST_FIT_PER_ITEM_RATIO": 0, "_SMALL": 10**9},
+    "grouped_blocks": {"_PER_ITEM_RATIO": 0, "_BEST_FIT_PER_ITEM_RATIO": 0, "_SMALL": 0, "_BLOCK": 4},
 }
 
 
@@ -48,22 +49,24 @@ def test_ffd_and_bfd_match_reference_on_every_path(kernel_path, case):
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=cases(), data=st.data())
-def test_initial_residuals_are_respected_on_every_path(kernel_path, case, data):
+@given(case=cases(), data=st.data(), best_fit=st.booleans())
+def test_initial_residuals_are_respected_on_every_path(kernel_path, case, data, best_fit):
     capacity, lengths = case
     opened = data.draw(st.lists(st.integers(0, capacity), max_size=10))
     sorted_lengths = np.sort(np.asarray(lengths, dtype=np.int64))[::-1].copy()
     bin_ids, residual = _kernels.decreasing_fit(
-        sorted_lengths, capacity, best_fit=False, initial_residuals=np.asarray(opened, dtype=np.int64)
+        sorted_lengths, capacity, best_fit=best_fit, initial_residuals=np.asarray(opened, dtype=np.int64)
     )
-    # Reference: first fit over pre-opened bins, then new bins.
+    # Reference: first (or best) fit over pre-opened bins, then new bins.
     room = list(opened)
     expected = []
     for s in sorted_lengths.tolist():
-        b = next((k for k, r in enumerate(room) if r >= s), None)
-        if b is None:
+        fitting = [k for k, r in enumerate(room) if r >= s]
+        if not fitting:
             room.append(capacity)
             b = len(room) - 1
+        else:
+            b = min(fitting, key=lambda k: (room[k], k)) if best_fit else fitting[0]
         room[b] -= s
         expected.append(b)
     assert bin_ids.tolist() == expected
@@ -79,7 +82,7 @@ def test_paths_agree_on_a_large_realistic_case(monkeypatch):
         with monkeypatch.context() as m:
             for name, value in overrides.items():
                 m.setattr(_kernels, name, value if name != "_BLOCK" else 64)
-            results[path] = get_packer("ffd", 2048).pack_bins(lengths).indices.tolist()
+            results[path] = [get_packer(name, 2048).pack_bins(lengths).indices.tolist() for name in ("ffd", "bfd")]
     assert results["per_item"] == results["grouped_flat"] == results["grouped_blocks"]
 
 

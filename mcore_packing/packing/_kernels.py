@@ -13,13 +13,22 @@ bins, each holding ``capacity // s`` items. Best fit is the same with the fittin
 order of increasing residual (ties broken by the lower bin index), because a bin that just received an
 item has the smallest residual that still fits, if any. The tests compare both against plain
 item-by-item reference implementations.
+
+When lengths rarely repeat (uniform lengths: ~6 sequences per distinct length at 100k), per-length numpy
+calls cost more than they save, and the kernels go item by item instead: first fit with a max segment
+tree over bin residuals, best fit with bins bucketed by residual (a two-level bitset finds the smallest
+residual that fits). The thresholds (``_PER_ITEM_RATIO``, ``_BEST_FIT_PER_ITEM_RATIO``) were set from
+benchmarks/packing_speed.py; every path gives the same bins.
 """
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 __all__ = [
+    "best_fit_in_order",
     "bins_from_assignment",
     "decreasing_fit",
     "first_fit_in_order",
@@ -51,6 +60,9 @@ _SMALL = 32768
 """Up to this many open bins a flat scan beats the block index (numpy call overhead dominates)."""
 _PER_ITEM_RATIO = 8
 """First fit goes item by item when there are fewer items than this per distinct length."""
+_BEST_FIT_PER_ITEM_RATIO = 256
+"""Same for best fit: its per-item structure is cheaper than the grouped scan up to long runs (measured
+with benchmarks/packing_speed.py: per item wins at 60-200 items per length, loses at 400+)."""
 
 
 def decreasing_fit(
@@ -107,9 +119,11 @@ def decreasing_fit(
 
     tail = sorted_lengths[start_item:]
     boundaries = np.flatnonzero(tail[1:] != tail[:-1]) + 1 + start_item
-    if not best_fit and tail.size < _PER_ITEM_RATIO * (boundaries.size + 1):
-        # Few items per distinct length: a per-item segment tree is cheaper than numpy per group.
-        tail_ids, num_bins_after = first_fit_in_order(tail, capacity, residual[:num_bins])
+    ratio = _BEST_FIT_PER_ITEM_RATIO if best_fit else _PER_ITEM_RATIO
+    if tail.size < ratio * (boundaries.size + 1):
+        # Few items per distinct length: a per-item structure is cheaper than numpy per group.
+        in_order = best_fit_in_order if best_fit else first_fit_in_order
+        tail_ids, num_bins_after = in_order(tail, capacity, residual[:num_bins])
         bin_ids[start_item:] = tail_ids
         after = np.full(num_bins_after, capacity, dtype=np.int64)
         after[:num_bins] = residual[:num_bins]
@@ -270,6 +284,85 @@ def first_fit_in_order(
                 break
             tree[node] = best
             node //= 2
+    return bin_ids, num_bins
+
+
+def best_fit_in_order(
+    lengths: np.ndarray, capacity: int, initial_residuals: np.ndarray | None = None
+) -> tuple[np.ndarray, int]:
+    """Textbook best fit in the given order: the fitting bin with the least room, lowest index on ties.
+
+    Bins are bucketed by residual: a min-heap of bin indices per residual value, and a two-level bitset
+    of the non-empty residual values, so "smallest residual >= s" is a few word operations (about a
+    microsecond per item in Python, independent of the number of bins). A run of equal lengths is placed
+    bin by bin: the chosen bin takes ``residual // s`` items at once, which is what item-by-item best fit
+    does, since its new residual, if it still fits, is the smallest one that fits.
+    ``initial_residuals`` are bins already open, in index order. Returns ``(bin_ids, num_bins)``.
+    """
+    n = int(lengths.size)
+    bin_ids = np.empty(n, dtype=np.int64)
+    opened = [] if initial_residuals is None else initial_residuals.tolist()
+    num_bins = len(opened)
+    if n == 0:
+        return bin_ids, num_bins
+    words = [0] * ((capacity >> 6) + 1)  # bit r set: some bin has residual r (r >= 1)
+    summary = 0  # bit w set: words[w] != 0
+    buckets: dict[int, list[int]] = {}
+    for b, r in enumerate(opened):
+        if r > 0:
+            buckets.setdefault(r, []).append(b)  # increasing indices: already a heap
+    for r in buckets:
+        words[r >> 6] |= 1 << (r & 63)
+        summary |= 1 << (r >> 6)
+    heappop, heappush = heapq.heappop, heapq.heappush
+    out: list[int] = [0] * n
+    values = lengths.tolist()
+    starts = np.concatenate(([0], np.flatnonzero(lengths[1:] != lengths[:-1]) + 1)).tolist()
+    ends = [*starts[1:], n]
+    for start, end in zip(starts, ends, strict=True):
+        s = values[start]
+        pos = start
+        while pos < end:
+            # Smallest residual >= s with a bin, or 0 if none.
+            w = s >> 6
+            x = words[w] >> (s & 63)
+            if x:
+                r = s + (x & -x).bit_length() - 1
+            else:
+                y = summary >> (w + 1)
+                if y:
+                    w += (y & -y).bit_length()
+                    x = words[w]
+                    r = (w << 6) + (x & -x).bit_length() - 1
+                else:
+                    r = 0
+            if r:
+                heap = buckets[r]
+                b = heappop(heap)
+                if not heap:
+                    del buckets[r]
+                    w = r >> 6
+                    words[w] &= ~(1 << (r & 63))
+                    if not words[w]:
+                        summary &= ~(1 << w)
+                take = min(r // s, end - pos)
+            else:
+                b = num_bins  # nothing fits: open a bin (the highest index, so appending keeps heaps valid)
+                num_bins += 1
+                r = capacity
+                take = min(capacity // s, end - pos)
+            out[pos : pos + take] = [b] * take
+            pos += take
+            r -= take * s
+            if r:
+                heap = buckets.get(r)
+                if heap is None:
+                    buckets[r] = [b]
+                    words[r >> 6] |= 1 << (r & 63)
+                    summary |= 1 << (r >> 6)
+                else:
+                    heappush(heap, b)
+    bin_ids[:] = out
     return bin_ids, num_bins
 
 

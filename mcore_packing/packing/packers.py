@@ -7,13 +7,16 @@ bin, the input indices of the sequences in it. ``.pack_bins(lengths)`` returns t
 - ``concatenative`` (concat): input order, next fit (a new bin when the next one does not fit).
   O(n + B log n).
 - ``first_fit_decreasing`` (ffd): longest first, first bin that fits. O(n log n + D*B), vectorized.
-- ``best_fit_decreasing`` (bfd): longest first, the fitting bin with the least room. O(n log n + D*B log B).
-- ``modified_first_fit_decreasing`` (mffd, the default): Johnson & Garey 1985, see ``_kernels``.
+- ``best_fit_decreasing`` (bfd): longest first, the fitting bin with the least room. O(n log n) with
+  residual buckets (or O(n log n + D*B log B) grouped when lengths repeat a lot).
+- ``modified_first_fit_decreasing`` (mffd, the default): Johnson & Garey 1985, see ``_kernels``, followed
+  by the bin-count refinement of ``_refine`` (``refine=False`` gives plain MFFD).
 - ``first_fit_shuffle`` (ffs): seeded random order, first fit with a segment tree. O(n log n) in Python.
 
 n sequences, B bins, D distinct lengths (<= capacity). The decreasing algorithms place all sequences of
-one length in one vectorized step, which is what makes them fast; they produce exactly the bins of the
-item-by-item textbook algorithms (the tests check this against plain reference implementations).
+one length in one step, which is what makes them fast; they produce exactly the bins of the item-by-item
+textbook algorithms (the tests check this against plain reference implementations). ``refine=True`` (the
+default for MFFD only) then repacks the short sequences of a few bins to remove bins; it never adds one.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from . import _kernels
+from . import _kernels, _refine
 from .bins import PackedBins
 from .constraints import enforce_bin_count
 from .validation import as_lengths, check_capacity, check_optional_positive_int
@@ -56,7 +59,8 @@ class PackingAlgorithm(str, enum.Enum):
 
 
 DEFAULT_ALGORITHM = PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING
-"""NeMo-RL's default; on heavy-tailed data all decreasing algorithms reach within one bin of the bound."""
+"""NeMo-RL's default. With its refinement it stays within one bin of ceil(sum/C) on heavy-tailed data up to
+a million sequences (benchmarks/README.md), where plain FFD/BFD/MFFD end two bins over."""
 
 ALGORITHM_ALIASES: dict[str, PackingAlgorithm] = {
     "concat": PackingAlgorithm.CONCATENATIVE,
@@ -75,9 +79,15 @@ class SequencePacker(abc.ABC):
         min_bin_count: produce at least this many bins (e.g. the data-parallel size).
         bin_count_multiple: make the bin count a multiple of this (e.g. the data-parallel size).
         seed: seed of the packer's own RNG (only ``first_fit_shuffle`` draws from it; never the global RNG).
+        refine: after packing, try to remove bins by repacking the short sequences of the emptiest and
+            least full bins (``_refine``). ``None`` takes the algorithm's default: on for
+            ``modified_first_fit_decreasing``, off for ``first_fit_decreasing`` and ``best_fit_decreasing``
+            (which then give exactly the textbook bins) and ``first_fit_shuffle``. ``concatenative``
+            cannot refine, as it promises the input order.
     """
 
     algorithm: ClassVar[PackingAlgorithm]
+    refine_by_default: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -86,6 +96,7 @@ class SequencePacker(abc.ABC):
         min_bin_count: int | None = None,
         bin_count_multiple: int | None = None,
         seed: int | None = None,
+        refine: bool | None = None,
     ) -> None:
         self.bin_capacity = check_capacity(bin_capacity)
         self.min_bin_count = check_optional_positive_int("min_bin_count", min_bin_count)
@@ -93,11 +104,19 @@ class SequencePacker(abc.ABC):
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0):
             raise ValueError(f"seed must be a non-negative integer or None, got {seed!r}.")
         self.seed = seed
+        if refine is not None and not isinstance(refine, (bool, np.bool_)):
+            raise ValueError(f"refine must be True, False or None (the algorithm's default), got {refine!r}.")
+        self.refine = self.refine_by_default if refine is None else bool(refine)
+        if self.refine and self.algorithm is PackingAlgorithm.CONCATENATIVE:
+            raise ValueError(
+                "refine=True is not available for 'concatenative', which keeps the input order; "
+                "use a decreasing algorithm (e.g. 'modified_first_fit_decreasing') or refine=False."
+            )
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(bin_capacity={self.bin_capacity}, min_bin_count={self.min_bin_count}, "
-            f"bin_count_multiple={self.bin_count_multiple}, seed={self.seed})"
+            f"bin_count_multiple={self.bin_count_multiple}, seed={self.seed}, refine={self.refine})"
         )
 
     def pack(self, sequence_lengths: Sequence[int] | np.ndarray) -> list[list[int]]:
@@ -110,6 +129,8 @@ class SequencePacker(abc.ABC):
         if lengths.size == 0:
             return PackedBins.empty()
         items, bin_ids, num_bins = self._assign(lengths)
+        if self.refine:
+            items, bin_ids, num_bins = _refine.refine_assignment(lengths, items, bin_ids, num_bins, self.bin_capacity)
         indices, offsets = _kernels.bins_from_assignment(items, bin_ids, num_bins)
         return enforce_bin_count(
             PackedBins(indices, offsets),
@@ -160,6 +181,7 @@ class ModifiedFirstFitDecreasingPacker(SequencePacker):
     """Johnson & Garey's MFFD (worst case 71/60 OPT + 1): pairs large with medium/small items first."""
 
     algorithm = PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING
+    refine_by_default = True
 
     def _assign(self, lengths):
         return _kernels.modified_first_fit_decreasing(lengths, self.bin_capacity)
@@ -209,7 +231,13 @@ def get_packer(
     min_bin_count: int | None = None,
     bin_count_multiple: int | None = None,
     seed: int | None = None,
+    refine: bool | None = None,
 ) -> SequencePacker:
-    """Build a packer by algorithm name (see the module table); signature compatible with NeMo-RL's."""
+    """Build a packer by algorithm name (see the module table); signature compatible with NeMo-RL's.
+
+    ``refine`` (not in NeMo-RL) turns the bin-count refinement on or off; ``None`` is the algorithm's default.
+    """
     cls = _PACKERS[resolve_algorithm(algorithm)]
-    return cls(bin_capacity, min_bin_count=min_bin_count, bin_count_multiple=bin_count_multiple, seed=seed)
+    return cls(
+        bin_capacity, min_bin_count=min_bin_count, bin_count_multiple=bin_count_multiple, seed=seed, refine=refine
+    )
