@@ -18,6 +18,7 @@ Results are printed as a table with the full config and written as JSON (``--out
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -66,13 +67,21 @@ def parse_spec(spec: str) -> tuple[str, bool | None, str]:
 
 
 def time_call(fn, repeats: int) -> tuple[float, float, object]:
-    """(fastest, median, result) of ``repeats`` calls. The fastest is reported: on this shared VM a run
-    is often slowed 2x by other load, which only ever adds time (the timeit convention)."""
+    """(fastest, median, result) of ``repeats`` calls. As ``timeit`` does, the fastest is reported (on
+    this shared VM a run is often slowed 2x by other load, which only ever adds time) and Python's cyclic
+    garbage collector is paused while timing (it would otherwise bill one call for the objects that
+    earlier rows of the benchmark keep alive)."""
     times, result = [], None
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
+        result = None
+        gc.collect()
+        gc.disable()
+        try:
+            start = time.perf_counter()
+            result = fn()
+            times.append(time.perf_counter() - start)
+        finally:
+            gc.enable()
     return min(times), statistics.median(times), result
 
 

@@ -60,6 +60,8 @@ _SMALL = 32768
 """Up to this many open bins a flat scan beats the block index (numpy call overhead dominates)."""
 _PER_ITEM_RATIO = 8
 """First fit goes item by item when there are fewer items than this per distinct length."""
+_SMALL_GROUP = 16
+"""First fit places groups of up to this many items in plain Python after the vectorized scan."""
 _BEST_FIT_PER_ITEM_RATIO = 256
 """Same for best fit: its per-item structure is cheaper than the grouped scan up to long runs (measured
 with benchmarks/packing_speed.py: per item wins at 60-200 items per length, loses at 400+)."""
@@ -180,6 +182,19 @@ def _place_group_scan(s, count, start, num_bins, residual, block_max, bin_ids, b
     candidates = np.flatnonzero(open_residual >= s)
     if candidates.size == 0:
         return 0, s - 1
+    if not best_fit and count <= _SMALL_GROUP:
+        # Every candidate takes at least one item, so only the first `count` can be used: plain Python
+        # over them is cheaper than the vectorized fill's dozen numpy calls.
+        head = candidates[:count]
+        placed = 0
+        for b, r in zip(head.tolist(), open_residual[head].tolist(), strict=True):
+            take = min(count - placed, r // s)
+            open_residual[b] = r - take * s
+            bin_ids[start + placed : start + placed + take] = b
+            placed += take
+            if placed == count:
+                break
+        return placed, (s - 1 if placed < count else max_residual)
     placed, candidates, all_used = _fill(
         s, count, start, candidates, open_residual[candidates], residual, bin_ids, best_fit
     )
