@@ -178,7 +178,11 @@ class BestFitDecreasingPacker(_DecreasingFitPacker):
 
 
 class ModifiedFirstFitDecreasingPacker(SequencePacker):
-    """Johnson & Garey's MFFD (worst case 71/60 OPT + 1): pairs large with medium/small items first."""
+    """Johnson & Garey's MFFD (worst case 71/60 OPT + 1): pairs large with medium/small items first.
+
+    Followed by the bin-count refinement unless ``refine=False``; that pass only runs when the result is
+    above ceil(sum/C) and only keeps a change that removes bins.
+    """
 
     algorithm = PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING
     refine_by_default = True
