@@ -46,6 +46,10 @@ class PlanInputError(ValueError):
     """Bad user input for the planner; reported with exit code 2."""
 
 
+_REFINE = {"default": None, "on": True, "off": False}
+"""``--refine`` choices to `get_packer`'s ``refine``."""
+
+
 def load_lengths(path: str) -> np.ndarray:
     """Lengths from ``.npy``, ``.json`` (a list) or text (integers separated by whitespace)."""
     file = Path(path)
@@ -299,6 +303,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="train_mb_tokens: tokens per GPU per micro-batch (x cp per packed row)",
     )
     p.add_argument("--algorithm", default=DEFAULT_ALGORITHM.value)
+    p.add_argument(
+        "--refine",
+        choices=["default", "on", "off"],
+        default="default",
+        help="bin-count refinement after packing (default: the algorithm's, on for MFFD)",
+    )
     p.add_argument("--global-batch-size", type=int, default=512, help="sequences per global batch (0: all)")
     p.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch of the padded baseline")
     for name in ("dp", "tp", "pp", "cp"):
@@ -381,6 +391,7 @@ def _run(args: argparse.Namespace) -> int:
             mode=args.mode,
             train_mb_tokens=args.mb_tokens,
             algorithm=args.algorithm,
+            refine=_REFINE[args.refine],
             dp_size=args.dp,
             tp_size=args.tp,
             pp_size=args.pp,
@@ -418,7 +429,7 @@ def _run(args: argparse.Namespace) -> int:
         raise PlanInputError(str(exc)) from None
     whole = None
     if args.mode == "packing":
-        packed = get_packer(args.algorithm, capacity).pack_bins(padded_lengths)
+        packed = get_packer(args.algorithm, capacity, refine=config.refine).pack_bins(padded_lengths)
         whole = PackingMetrics.compute(padded_lengths, packed, capacity).to_dict()
     recommendation = (
         None if args.no_recommend or args.mode == "padded" else recommend_budget(lengths, config, gbs, model)
@@ -440,6 +451,7 @@ def _run(args: argparse.Namespace) -> int:
             "train_mb_tokens": args.mb_tokens,
             "row_capacity": capacity,
             "algorithm": resolve_algorithm(args.algorithm).value,
+            "refine": get_packer(args.algorithm, capacity, refine=config.refine).refine,
             "global_batch_size": gbs,
             "dp": args.dp,
             "tp": args.tp,
@@ -470,8 +482,8 @@ def _print_text(doc: dict) -> None:
     )
     print(
         f"plan: mode={c['mode']} train_mb_tokens={c['train_mb_tokens']} (row {c['row_capacity']} tokens) "
-        f"algorithm={c['algorithm']} global_batch_size={c['global_batch_size']} dp={c['dp']} tp={c['tp']} "
-        f"pp={c['pp']} cp={c['cp']} sp={c['sp']}"
+        f"algorithm={c['algorithm']} refine={c['refine']} global_batch_size={c['global_batch_size']} "
+        f"dp={c['dp']} tp={c['tp']} pp={c['pp']} cp={c['cp']} sp={c['sp']}"
     )
     print(
         f"  micro-batches: {s['micro_batches']:,} over {s['num_global_batches']} global batches "

@@ -65,6 +65,8 @@ class StepPlanConfig:
         train_mb_tokens: tokens one rank processes per training micro-batch (per GPU, after the CP split).
         logprob_mb_tokens: the same for forward-only passes (log-probs); defaults to ``train_mb_tokens``.
         algorithm: packing algorithm (packing mode).
+        refine: bin-count refinement after packing (`get_packer`'s ``refine``); None is the algorithm's
+            default (on for modified_first_fit_decreasing).
         microbatch_order: ``packer`` or ``largest_first``.
         sequence_length_round: per-sequence length alignment (NeMo-RL's key).
         dp_size, tp_size, pp_size, cp_size, sequence_parallel: the parallel layout.
@@ -83,6 +85,7 @@ class StepPlanConfig:
     train_mb_tokens: int = 4096
     logprob_mb_tokens: int | None = None
     algorithm: str = DEFAULT_ALGORITHM.value
+    refine: bool | None = None
     microbatch_order: str = "packer"
     sequence_length_round: int = 1
     dp_size: int = 1
@@ -136,6 +139,7 @@ class StepPlanConfig:
         ):
             raise ValueError(f"logprob_mb_tokens must be an integer >= 1 or None, got {self.logprob_mb_tokens!r}.")
         resolve_algorithm(self.algorithm)
+        get_packer(self.algorithm, 1, refine=self.refine)  # raises on a bad `refine` for this algorithm
         if self.mode != "packing" and self.fixed_length:
             raise ValueError("fixed_length applies to packing mode; dynamic micro-batches are padded per batch.")
 
@@ -382,13 +386,15 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
     items = units if units is not None else [[i] for i in range(padded.size)]
     sizes = np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
     if config.cost_budget is None:
-        packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0)
+        packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine)
         unit_bins = packer.pack(sizes)
     else:
         costs = np.array([float(model.sequence_cost(padded[u]).sum()) for u in items])
         cost_budget = config.cost_budget
         if cost_budget == "auto":
-            reference = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0).pack(sizes)
+            reference = get_packer(
+                config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine
+            ).pack(sizes)
             cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(reference))
         unit_bins = cost_capped_first_fit(sizes, costs, capacity, cost_budget)
         unit_bins = _split_to_multiple(unit_bins, sizes, config.dp_size)

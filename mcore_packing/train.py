@@ -119,6 +119,18 @@ def _cost_model(cfg: TrainConfig, vocab_size: int):
 
 
 def _plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None):
+    """The step planner's config for this run; its ValueErrors (an unknown algorithm, ...) become config
+    errors (exit 2) that name the section."""
+    try:
+        return _build_plan_config(cfg, dp, vocab_size)
+    except ValueError as exc:
+        section = next(
+            (name for name in ("sequence_packing", "dynamic_batching") if getattr(cfg, name).enabled), "training"
+        )
+        raise ConfigError(f"{section}: {exc}") from None
+
+
+def _build_plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None):
     from .planning import StepPlanConfig
 
     par = cfg.parallel
@@ -140,6 +152,7 @@ def _plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None):
             train_mb_tokens=sp.train_mb_tokens,
             logprob_mb_tokens=sp.logprob_mb_tokens,
             algorithm=sp.algorithm,
+            refine=sp.refine,
             microbatch_order=sp.microbatch_order,
             sequence_length_round=math.lcm(sp.sequence_length_round, divisible),
             cost_budget=sp.cost_budget,

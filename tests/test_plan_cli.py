@@ -55,6 +55,25 @@ def test_json_from_a_lengths_file_adds_up(tmp_path, capsys):
     assert 0 < s["compute_saved_with_attention"] < 1
 
 
+@pytest.mark.parametrize(
+    ("args", "refine"),
+    [
+        ([], True),
+        (["--refine", "off"], False),
+        (["--algorithm", "ffd"], False),
+        (["--algorithm", "ffd", "--refine", "on"], True),
+    ],
+)
+def test_refine_flag_reaches_the_plan(tmp_path, capsys, args, refine):
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([100, 3000, 20, 4000, 700, 650, 90, 10]))
+    code, out, _ = run(
+        capsys, "--lengths", str(path), "--mb-tokens", "4096", "--json", "--no-png", "--no-recommend", *args
+    )
+    assert code == 0
+    assert json.loads(out)["config"]["refine"] is refine
+
+
 def test_dynamic_mode_and_budget_recommendation(capsys):
     code, out, _ = run(
         capsys, "--mode", "dynamic", "--mb-tokens", "12000", "--json", "--no-png", "--global-batch-size", "256"
@@ -96,6 +115,7 @@ def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
         ),
         ("[10, 20]", ".json", ["--mb-tokens", "0"], "--mb-tokens must be >= 1"),
         ("[10, 20]", ".json", ["--algorithm", "magic"], "Valid names"),
+        ("[10, 20]", ".json", ["--algorithm", "concatenative", "--refine", "on"], "not available for 'concatenative'"),
         ("[10, 20]", ".json", ["--dp", "4", "--global-batch-size", "2"], "smaller than --dp 4"),
     ],
 )

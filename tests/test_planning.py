@@ -75,6 +75,21 @@ def test_same_inputs_same_plan_and_fingerprint():
     assert a.fingerprint() != plan_step([*lengths[:-1], 7], config).fingerprint()
 
 
+def test_refine_reaches_the_packer():
+    # A heavy tail where MFFD's refinement removes a bin (plain MFFD is ceil(sum/C) + 1 here).
+    from mcore_packing.data import sample_lengths
+
+    lengths = sample_lengths("power_law:8", 1000, 512, seed=2)
+    lower_bound = -(-int(lengths.sum()) // 512)
+    refined = plan_step(lengths, StepPlanConfig(train_mb_tokens=512))
+    plain = plan_step(lengths, StepPlanConfig(train_mb_tokens=512, refine=False))
+    assert plain.num_microbatches == lower_bound + 1
+    assert refined.num_microbatches == lower_bound
+    assert sorted(refined.sample_order().tolist()) == list(range(lengths.size))
+    with pytest.raises(ValueError, match="not available for 'concatenative'"):
+        StepPlanConfig(algorithm="concatenative", refine=True)
+
+
 def test_dynamic_micro_batches_hold_similar_lengths():
     lengths = [5, 100, 7, 98, 6, 99, 8, 97]
     plan = plan_step(lengths, StepPlanConfig(mode="dynamic", train_mb_tokens=256))

@@ -53,6 +53,20 @@ def test_overrides_use_hydra_grammar(capsys):
     assert "Cannot apply overrides" in capsys.readouterr().err
     assert main(["--recipe", "nope", "--dry-run"]) == 2
     assert "Available:" in capsys.readouterr().err
+    assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.algorithm=magic"]) == 2
+    assert "sequence_packing: Unknown packing algorithm 'magic'" in capsys.readouterr().err
+
+
+def test_refine_override_reaches_the_plan(capsys):
+    from mcore_packing.train import _plan_config
+
+    assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.refine=false"]) == 0  # a known key
+    assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.refine=maybe"]) == 2
+
+    cfg = RECIPES["tiny_cpu_sft"]()
+    assert _plan_config(cfg, 1).refine is None  # the algorithm's default
+    off = dataclasses.replace(cfg, sequence_packing=dataclasses.replace(cfg.sequence_packing, refine=False))
+    assert _plan_config(off, 1).refine is False
 
 
 def test_apply_packing_is_pure_and_idempotent():

@@ -112,6 +112,12 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
             "incompatible with parallel.cp=2",
         ),
         (["parallel.tp=2"], {}, "World size 1 does not factor"),
+        (["sequence_packing.algorithm=magic"], {}, "sequence_packing: Unknown packing algorithm 'magic'"),
+        (
+            ["sequence_packing.algorithm=concatenative", "sequence_packing.refine=true"],
+            {},
+            "not available for 'concatenative'",
+        ),
         (["resume=true"], {}, "there is no checkpoint"),
         (
             ["parallel.pp=2", "sequence_packing.enabled=false", "dynamic_batching.enabled=true"],
