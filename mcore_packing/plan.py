@@ -427,9 +427,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
+    packer = get_packer(args.algorithm, capacity, refine=config.refine)
     whole = None
     if args.mode == "packing":
-        packed = get_packer(args.algorithm, capacity, refine=config.refine).pack_bins(padded_lengths)
+        packed = packer.pack_bins(padded_lengths)
         whole = PackingMetrics.compute(padded_lengths, packed, capacity).to_dict()
     recommendation = (
         None if args.no_recommend or args.mode == "padded" else recommend_budget(lengths, config, gbs, model)
@@ -451,7 +452,7 @@ def _run(args: argparse.Namespace) -> int:
             "train_mb_tokens": args.mb_tokens,
             "row_capacity": capacity,
             "algorithm": resolve_algorithm(args.algorithm).value,
-            "refine": get_packer(args.algorithm, capacity, refine=config.refine).refine,
+            "refine": packer.refine,
             "global_batch_size": gbs,
             "dp": args.dp,
             "tp": args.tp,

@@ -38,7 +38,7 @@ from .balance import ORDERS, assign_balanced, assign_round_robin, cost_capped_fi
 from .balance import order_microbatches as _order
 from .batch import PaddingRule
 from .cost import CostModel
-from .packing import DEFAULT_ALGORITHM, get_packer, resolve_algorithm
+from .packing import DEFAULT_ALGORITHM, get_packer
 from .packing.validation import as_lengths
 
 __all__ = [
@@ -138,8 +138,7 @@ class StepPlanConfig:
             or self.logprob_mb_tokens < 1
         ):
             raise ValueError(f"logprob_mb_tokens must be an integer >= 1 or None, got {self.logprob_mb_tokens!r}.")
-        resolve_algorithm(self.algorithm)
-        get_packer(self.algorithm, 1, refine=self.refine)  # raises on a bad `refine` for this algorithm
+        get_packer(self.algorithm, 1, refine=self.refine)  # raises on an unknown algorithm or a bad `refine`
         if self.mode != "packing" and self.fixed_length:
             raise ValueError("fixed_length applies to packing mode; dynamic micro-batches are padded per batch.")
 

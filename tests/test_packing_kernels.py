@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mcore_packing.packing import _kernels, get_packer
+from mcore_packing.packing._bitset import IntSet
 
 from .packing_reference import reference_decreasing_fit
 
@@ -99,3 +100,18 @@ def test_negative_control_reference_detects_a_wrong_tie_break():
     wrong = [[1, 0], [3, 2]]
     assert ours == reference_decreasing_fit(lengths, 10, best_fit=False)
     assert ours != wrong
+
+
+def test_intset_queries_match_a_sorted_list():
+    rng = np.random.default_rng(7)
+    members = sorted(set(rng.integers(0, 300, size=60).tolist()))
+    s = IntSet(300, members)
+    for v in range(0, 301):
+        above = [m for m in members if m >= v]
+        below = [m for m in members if m <= v]
+        assert s.next_at_least(v) == (above[0] if above else -1)
+        assert s.last_at_most(v) == (below[-1] if below else -1)
+        assert list(s.ascending_upto(v)) == below
+    s.discard(members[0])
+    s.add(299)
+    assert s.next_at_least(0) == members[1] and s.last_at_most(10_000) == 299

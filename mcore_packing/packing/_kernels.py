@@ -27,6 +27,8 @@ import heapq
 
 import numpy as np
 
+from ._bitset import IntSet
+
 __all__ = [
     "best_fit_in_order",
     "bins_from_assignment",
@@ -307,11 +309,12 @@ def best_fit_in_order(
 ) -> tuple[np.ndarray, int]:
     """Textbook best fit in the given order: the fitting bin with the least room, lowest index on ties.
 
-    Bins are bucketed by residual: a min-heap of bin indices per residual value, and a two-level bitset
-    of the non-empty residual values, so "smallest residual >= s" is a few word operations (about a
-    microsecond per item in Python, independent of the number of bins). A run of equal lengths is placed
-    bin by bin: the chosen bin takes ``residual // s`` items at once, which is what item-by-item best fit
-    does, since its new residual, if it still fits, is the smallest one that fits.
+    Bins are bucketed by residual: a min-heap of bin indices per residual value, and an `IntSet`
+    (two-level bitset) of the non-empty residual values, so "smallest residual >= s" is a few word
+    operations (about a microsecond per item in Python, independent of the number of bins). A run of
+    equal lengths is placed bin by bin: the chosen bin takes ``residual // s`` items at once, which is
+    what item-by-item best fit does, since its new residual, if it still fits, is the smallest one that
+    fits.
     ``initial_residuals`` are bins already open, in index order. Returns ``(bin_ids, num_bins)``.
     """
     n = int(lengths.size)
@@ -320,15 +323,12 @@ def best_fit_in_order(
     num_bins = len(opened)
     if n == 0:
         return bin_ids, num_bins
-    words = [0] * ((capacity >> 6) + 1)  # bit r set: some bin has residual r (r >= 1)
-    summary = 0  # bit w set: words[w] != 0
     buckets: dict[int, list[int]] = {}
     for b, r in enumerate(opened):
         if r > 0:
             buckets.setdefault(r, []).append(b)  # increasing indices: already a heap
-    for r in buckets:
-        words[r >> 6] |= 1 << (r & 63)
-        summary |= 1 << (r >> 6)
+    present = IntSet(capacity, list(buckets))  # residuals (>= 1) that some bin has
+    next_at_least, add, discard = present.next_at_least, present.add, present.discard
     heappop, heappush = heapq.heappop, heapq.heappush
     out: list[int] = [0] * n
     values = lengths.tolist()
@@ -338,28 +338,13 @@ def best_fit_in_order(
         s = values[start]
         pos = start
         while pos < end:
-            # Smallest residual >= s with a bin, or 0 if none.
-            w = s >> 6
-            x = words[w] >> (s & 63)
-            if x:
-                r = s + (x & -x).bit_length() - 1
-            else:
-                y = summary >> (w + 1)
-                if y:
-                    w += (y & -y).bit_length()
-                    x = words[w]
-                    r = (w << 6) + (x & -x).bit_length() - 1
-                else:
-                    r = 0
-            if r:
+            r = next_at_least(s)  # the smallest residual that fits
+            if r > 0:
                 heap = buckets[r]
                 b = heappop(heap)
                 if not heap:
                     del buckets[r]
-                    w = r >> 6
-                    words[w] &= ~(1 << (r & 63))
-                    if not words[w]:
-                        summary &= ~(1 << w)
+                    discard(r)
                 take = min(r // s, end - pos)
             else:
                 b = num_bins  # nothing fits: open a bin (the highest index, so appending keeps heaps valid)
@@ -373,8 +358,7 @@ def best_fit_in_order(
                 heap = buckets.get(r)
                 if heap is None:
                     buckets[r] = [b]
-                    words[r >> 6] |= 1 << (r & 63)
-                    summary |= 1 << (r >> 6)
+                    add(r)
                 else:
                     heappush(heap, b)
     bin_ids[:] = out

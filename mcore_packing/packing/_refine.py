@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._bitset import IntSet
+
 __all__ = ["refine_assignment"]
 
 _MAX_PASSES = 4
@@ -44,70 +46,33 @@ _WINDOW_MAX = 4096
 
 
 class _LengthPool:
-    """Multiset of lengths in ``[1, capacity]``: counts plus a two-level bitset of the lengths present,
-    so "longest length <= r" costs a few integer operations."""
+    """Multiset of lengths in ``[1, capacity]``: counts plus an `IntSet` of the lengths present, so
+    "longest length <= r" costs a few integer operations."""
 
     def __init__(self, lengths: np.ndarray, capacity: int) -> None:
-        self.capacity = capacity
-        self.count = np.bincount(lengths, minlength=capacity + 1).tolist()
+        count = np.bincount(lengths, minlength=capacity + 1)
+        self.count = count.tolist()
         self.size = int(lengths.size)
-        self.words = [0] * ((capacity >> 6) + 1)
-        self.summary = 0
-        for u in np.flatnonzero(np.bincount(lengths, minlength=capacity + 1)).tolist():
-            self._mark(u)
-
-    def _mark(self, u: int) -> None:
-        self.words[u >> 6] |= 1 << (u & 63)
-        self.summary |= 1 << (u >> 6)
-
-    def _unmark(self, u: int) -> None:
-        w = u >> 6
-        self.words[w] &= ~(1 << (u & 63))
-        if not self.words[w]:
-            self.summary &= ~(1 << w)
+        self.present = IntSet(capacity, np.flatnonzero(count).tolist())
 
     def longest_upto(self, r: int) -> int:
         """Longest length present that is ``<= r``, or 0."""
-        if r <= 0:
-            return 0
-        r = min(r, self.capacity)
-        w = r >> 6
-        x = self.words[w] & ((2 << (r & 63)) - 1)
-        if x:
-            return (w << 6) + x.bit_length() - 1
-        y = self.summary & ((1 << w) - 1)
-        if not y:
-            return 0
-        w = y.bit_length() - 1
-        return (w << 6) + self.words[w].bit_length() - 1
+        return max(self.present.last_at_most(r), 0)
 
     def lengths_upto(self, r: int):
         """Distinct lengths present that are ``<= r``, ascending (a generator: callers may stop early)."""
-        r = min(r, self.capacity)
-        summary = self.summary & ((2 << (r >> 6)) - 1)
-        while summary:
-            low = summary & -summary
-            w = low.bit_length() - 1
-            summary ^= low
-            x = self.words[w]
-            while x:
-                bit = x & -x
-                u = (w << 6) + bit.bit_length() - 1
-                if u > r:
-                    return
-                yield u
-                x ^= bit
+        return self.present.ascending_upto(r)
 
     def take(self, u: int, k: int) -> None:
         left = self.count[u] - k
         self.count[u] = left
         self.size -= k
         if not left:
-            self._unmark(u)
+            self.present.discard(u)
 
     def give(self, u: int, k: int) -> None:
         if not self.count[u]:
-            self._mark(u)
+            self.present.add(u)
         self.count[u] += k
         self.size += k
 
