@@ -15,13 +15,10 @@ Llama-3-8B-shaped GPT (`mcore_packing.cost`). Assignments compared on identical 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 from dataclasses import replace
-from datetime import datetime, timezone
 
 import numpy as np
+from _report import run_config, write_results
 
 from mcore_packing.cost import CostModel
 from mcore_packing.data import sample_lengths
@@ -53,13 +50,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/balance.json")
     args = parser.parse_args(argv)
     model = CostModel.from_shape(**DEFAULT_SHAPE)
-    config = {
-        **vars(args),
-        "model_shape": DEFAULT_SHAPE,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    print("config:", json.dumps(config))
+    config = run_config(args, model_shape=DEFAULT_SHAPE)
     header = f"{'distribution':<13} {'mb/rank':>7} " + " ".join(f"{name:>22}" for name in STRATEGIES)
     print(header + "\n" + "-" * len(header))
     rows = []
@@ -87,10 +78,7 @@ def main(argv=None) -> int:
             cells = " ".join(f"{row[n]['mean']:>10.3f} (max {row[n]['max']:.3f})" for n in STRATEGIES)
             print(f"{dist:<13} {np.mean(counts):>7.1f} {cells}", flush=True)
     print("cells: slowest DP rank's predicted cost / mean over ranks, mean over global batches (and the worst).")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"config": config, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, config, rows)
     return 0
 
 

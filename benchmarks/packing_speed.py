@@ -19,15 +19,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import os
-import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+from _report import run_config, write_results
 
 from mcore_packing.data import DISTRIBUTIONS, sample_lengths
 from mcore_packing.packing import DEFAULT_ALGORITHM, PackingAlgorithm, PackingMetrics, get_packer
@@ -99,15 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/packing_speed.json")
     args = parser.parse_args(argv)
 
-    config = {
-        **vars(args),
-        "default_algorithm": DEFAULT_ALGORITHM.value,
-        "python": sys.version.split()[0],
-        "numpy": np.__version__,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    print("config:", json.dumps(config))
+    config = run_config(
+        args, default_algorithm=DEFAULT_ALGORITHM.value, python=sys.version.split()[0], numpy=np.__version__
+    )
     header = (
         f"{'distribution':<12} {'N':>9} {'algorithm':<36} {'time_s':>8} {'bins':>8} {'lower':>8} "
         f"{'bins-lb':>7} {'effic':>7} {'saved_vs_longest':>16}"
@@ -169,10 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"ffd speed-up x{row['speedup_of_ffd']:.0f}, same bin count: {same}"
                     )
                 rows.append(row)
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"config": config, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, config, rows)
     return 0
 
 

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+from _report import run_config, write_results
 
 from mcore_packing.cost import CostModel
 from mcore_packing.data import sample_lengths
@@ -37,13 +35,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/plan_quality.json")
     args = parser.parse_args(argv)
     model = CostModel.from_shape(**DEFAULT_SHAPE)
-    config = {
-        **vars(args),
-        "model_shape": DEFAULT_SHAPE,
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    print("config:", json.dumps(config))
+    config = run_config(args, model_shape=DEFAULT_SHAPE)
     header = (
         f"{'distribution':<12} {'budget':>6} {'dp':>3} {'mode':<8} {'effic':>6} {'fill':>6} {'useful':>6} "
         f"{'padded':>6} {'tok_imb':>7} {'cost_imb':>8} {'saved':>6} {'mb/rank':>7} {'time_s':>6}"
@@ -82,10 +74,7 @@ def main(argv=None) -> int:
         " computed tokens (planned); padded = the same for pad-to-longest (4 rows); tok_imb / cost_imb = slowest DP "
         "rank / mean, tokens and attention-aware cost; saved = predicted compute saved vs padded."
     )
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"config": config, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    write_results(args.out, config, rows)
     summary = {
         mode: float(np.mean([r["rank_cost_imbalance_mean"] for r in rows if r["mode"] == mode and r["dp"] > 1]))
         for mode in ("packing", "dynamic")

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import statistics
 import sys
 import time
-from datetime import datetime, timezone
 
 import numpy as np
+from _report import run_config, write_results
 
 
 def global_batches(distribution: str, num_batches: int, batch_size: int, max_len: int, seed: int, vocab: int) -> list:
@@ -107,16 +106,14 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
         vocab_size=args.vocab,
         max_sequence_length=max(args.max_len, 1024) * 2,
     )
-    config = {
-        **vars(args),
-        "torch": torch.__version__,
-        "te_available": te_available(),
-        "machine": torch.cuda.get_device_name(0)
+    config = run_config(
+        args,
+        torch=torch.__version__,
+        te_available=te_available(),
+        machine=torch.cuda.get_device_name(0)
         if args.device == "cuda"
         else f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, no GPU",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-    }
-    print("config:", json.dumps(config))
+    )
     rows = []
     adapter = cpu_device_adapter() if args.device == "cpu" else contextlib.nullcontext()
     with adapter:
@@ -175,10 +172,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
                 rows.append(result)
             del model
     if not (args.quick and not defaults):  # step_throughput's own --quick is a smoke run: keep results clean
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"config": config, "results": rows}, f, indent=1)
-        print(f"wrote {args.out}")
+        write_results(args.out, config, rows, key="results")
     dist.destroy_process_group()
     return 0
 
