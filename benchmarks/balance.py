@@ -20,10 +20,9 @@ from dataclasses import replace
 import numpy as np
 from _report import run_config, write_results
 
-from mcore_packing.cost import CostModel
+from mcore_packing.app.plan_command import DEFAULT_SHAPE
 from mcore_packing.data import sample_lengths
-from mcore_packing.plan import DEFAULT_SHAPE
-from mcore_packing.planning import StepPlanConfig, plan_step
+from mcore_packing.planning import CostModel, StepPlanConfig, plan_step
 
 STRATEGIES = {
     "round_robin": dict(balance="round_robin"),
@@ -49,8 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=10, help="global batches per setting (different seeds)")
     parser.add_argument("--out", default="benchmarks/results/balance.json")
     args = parser.parse_args(argv)
-    model = CostModel.from_shape(**DEFAULT_SHAPE)
-    config = run_config(args, model_shape=DEFAULT_SHAPE)
+    model = CostModel.from_shape(DEFAULT_SHAPE)
+    config = run_config(args, model_shape=DEFAULT_SHAPE.to_dict())
     header = f"{'distribution':<13} {'mb/rank':>7} " + " ".join(f"{name:>22}" for name in STRATEGIES)
     print(header + "\n" + "-" * len(header))
     rows = []

@@ -1,7 +1,7 @@
 """Plan quality over many length distributions: efficiency, padding and rank balance, in one run.
 
 For every distribution x budget x data-parallel size, the global batches are planned exactly as training
-plans them (`mcore_packing.plan.summarize`) in packing and dynamic mode, and compared with padding
+plans them (`mcore_packing.planning.summarize`) in packing and dynamic mode, and compared with padding
 micro-batches of 4 rows to their longest. Costs use the Llama-3-8B shape (`mcore_packing.cost`).
 
     python benchmarks/plan_quality.py             # writes benchmarks/results/plan_quality.json
@@ -16,10 +16,9 @@ import time
 import numpy as np
 from _report import run_config, write_results
 
-from mcore_packing.cost import CostModel
+from mcore_packing.app.plan_command import DEFAULT_SHAPE
 from mcore_packing.data import sample_lengths
-from mcore_packing.plan import DEFAULT_SHAPE, summarize
-from mcore_packing.planning import StepPlanConfig
+from mcore_packing.planning import CostModel, StepPlanConfig, summarize
 
 DISTRIBUTIONS = ["lognormal", "power_law", "uniform", "real:champ", "real:stdlib"]
 
@@ -34,8 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/plan_quality.json")
     args = parser.parse_args(argv)
-    model = CostModel.from_shape(**DEFAULT_SHAPE)
-    config = run_config(args, model_shape=DEFAULT_SHAPE)
+    model = CostModel.from_shape(DEFAULT_SHAPE)
+    config = run_config(args, model_shape=DEFAULT_SHAPE.to_dict())
     header = (
         f"{'distribution':<12} {'budget':>6} {'dp':>3} {'mode':<8} {'effic':>6} {'fill':>6} {'useful':>6} "
         f"{'padded':>6} {'tok_imb':>7} {'cost_imb':>8} {'saved':>6} {'mb/rank':>7} {'time_s':>6}"

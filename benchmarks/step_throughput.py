@@ -80,12 +80,11 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
     import torch
     import torch.distributed as dist
 
-    from mcore_packing.batch import SequenceSample
     from mcore_packing.compat import te_available
-    from mcore_packing.megatron import cpu_device_adapter
-    from mcore_packing.megatron.model import GPTShape, build_gpt_model, initialize_parallel
-    from mcore_packing.planning import StepPlanConfig, plan_step
-    from mcore_packing.schedule import ParallelGroups, run_step
+    from mcore_packing.megatron import ParallelGroups, cpu_device_adapter, run_step
+    from mcore_packing.megatron.model import build_gpt_model, initialize_parallel
+    from mcore_packing.planning import ModelShape, StepPlanConfig, plan_step
+    from mcore_packing.thd import SequenceSample
 
     if args.device == "cpu":
         torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", os.cpu_count() or 1)))
@@ -98,7 +97,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
     initialize_parallel()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    shape = GPTShape(
+    shape = ModelShape(
         num_layers=args.layers,
         hidden_size=args.hidden,
         num_attention_heads=args.heads,

@@ -2,11 +2,11 @@
 # Shared launcher for the sbatch scripts: ONE torchrun per node (srun --ntasks-per-node=1), and torchrun
 # starts one rank per GPU. Never combine one srun task per GPU with torchrun: that multiplies the ranks.
 #
-# Arguments are Hydra overrides for `python -m mcore_packing.train` (passed through untouched).
+# Arguments go to `python -m mcore_packing train` (Hydra overrides, or --recipe NAME ...), untouched.
 # Environment (all optional):
 #   MCORE_PACKING_ROOT    repository root (default: the directory sbatch was called from)
 #   MCORE_PACKING_PYTHON  interpreter (default: $MCORE_PACKING_ROOT/.venv/bin/python, else python3)
-#   MCORE_PACKING_MODULE  entry module (default: mcore_packing.train)
+#   MCORE_PACKING_COMMAND command of `python -m mcore_packing` (default: train)
 #   GPUS_PER_NODE         ranks per node (default: $SLURM_GPUS_ON_NODE, else 1)
 #   MASTER_ADDR           rendezvous host (default: the job's first node, from scontrol show hostnames)
 #   MASTER_PORT           rendezvous port (default: 29500 + job id mod 1000)
@@ -19,7 +19,7 @@ python="${MCORE_PACKING_PYTHON:-}"
 if [[ -z "$python" ]]; then
   if [[ -x "$root/.venv/bin/python" ]]; then python="$root/.venv/bin/python"; else python="python3"; fi
 fi
-module="${MCORE_PACKING_MODULE:-mcore_packing.train}"
+command="${MCORE_PACKING_COMMAND:-train}"
 nnodes="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}"
 gpus_per_node="${GPUS_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}"
 if [[ -z "${MASTER_ADDR:-}" ]]; then
@@ -52,4 +52,4 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${container_flags[@]}" \
     --rdzv_backend=c10d \
     --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
     --rdzv_id="${SLURM_JOB_ID:-local}" \
-    -m "$module" "$@"
+    -m mcore_packing "$command" "$@"

@@ -79,8 +79,8 @@ def packed_reference_worker(rank, world_size, cases, weights_seed=0):
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch, unpack
     from mcore_packing.megatron import cpu_device_adapter, get_packed_gpt_layer_spec, to_packed_seq_params
+    from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, unpack
 
     init_megatron()
     out = []
@@ -130,9 +130,8 @@ def cp_worker(rank, world_size, cases, split="zigzag", weights_seed=0):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch
-    from mcore_packing.context_parallel import gather_from_cp, slice_for_cp
     from mcore_packing.megatron import cpu_device_adapter, get_packed_gpt_layer_spec, to_packed_seq_params
+    from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, gather_from_cp, slice_for_cp
 
     cp = world_size
     init_megatron(cp=cp)
@@ -183,7 +182,7 @@ def cp_worker(rank, world_size, cases, split="zigzag", weights_seed=0):
 
 
 def _local_index(batch, local, cp, rank, split):
-    from mcore_packing.context_parallel import thd_partition_indices
+    from mcore_packing.thd import thd_partition_indices
 
     if split == "zigzag":
         return thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp, rank)
@@ -211,9 +210,17 @@ def cp_roundtrip_worker(rank, world_size, cases):
     import torch.distributed as dist
     from megatron.core.transformer.enums import AttnMaskType
 
-    from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch, unpack
-    from mcore_packing.context_parallel import gather_bshd_from_cp, gather_from_cp, slice_bshd_for_cp, slice_for_cp
     from mcore_packing.megatron.attention import PackedCoreAttention
+    from mcore_packing.thd import (
+        PaddingRule,
+        SequenceSample,
+        build_packed_batch,
+        gather_bshd_from_cp,
+        gather_from_cp,
+        slice_bshd_for_cp,
+        slice_for_cp,
+        unpack,
+    )
 
     cp, group = world_size, dist.group.WORLD
     report = {"thd_roundtrip": [], "bshd_roundtrip": None}

@@ -61,16 +61,18 @@ def build_gpt(config, spec, *, pre_process=True, post_process=True):
 
 
 def _attention_cost_model():
-    from mcore_packing.cost import CostModel
+    from mcore_packing.planning import CostModel, ModelShape
 
     return CostModel.from_shape(
-        num_layers=NUM_LAYERS,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        vocab_size=VOCAB,
-        gated_mlp=False,
+        ModelShape(
+            num_layers=NUM_LAYERS,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=2,
+            ffn_hidden_size=128,
+            vocab_size=VOCAB,
+            gated_mlp=False,
+        )
     )
 
 
@@ -167,8 +169,8 @@ def collect_full_grads(model, layer_offset: int) -> dict:
 
 def _apply_negative_control(kind: str | None):
     """Break one thing on purpose; the equivalence check must then fail."""
-    import mcore_packing.schedule as schedule
-    from mcore_packing import loss as loss_module
+    import mcore_packing.megatron.schedule as schedule
+    from mcore_packing.thd import loss_weights as loss_module
 
     if kind is None:
         return
@@ -190,29 +192,14 @@ def _apply_negative_control(kind: str | None):
 
         schedule.megatron_loss_output = without_cp
     elif kind == "contiguous_cp_split":
-        from dataclasses import replace
-
-        def contiguous_slice(batch, cp_size, cp_rank):
-            if cp_size == 1:
-                return batch
-            per = batch.total_tokens // cp_size
-            sl = slice(cp_rank * per, (cp_rank + 1) * per)
-            return replace(
-                batch,
-                tokens=batch.tokens[:, sl],
-                labels=batch.labels[:, sl],
-                loss_mask=batch.loss_mask[:, sl],
-                position_ids=batch.position_ids[:, sl],
-                cp_size=cp_size,
-                cp_rank=cp_rank,
-            )
+        # CP rank r keeps the r-th contiguous slice of the row instead of chunks r and 2*cp-1-r.
+        import mcore_packing.megatron.prepare as prepare
 
         def contiguous_index(cu, total, cp_size, cp_rank):
             per = int(total) // cp_size
             return torch.arange(cp_rank * per, (cp_rank + 1) * per)
 
-        schedule.slice_for_cp = contiguous_slice
-        schedule.thd_partition_indices = contiguous_index
+        prepare.thd_partition_indices = contiguous_index
     else:
         raise ValueError(kind)
 
@@ -225,17 +212,24 @@ def step_worker(rank, world_size, configs, samples, state_dict):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
-    import mcore_packing.schedule as schedule
-    from mcore_packing.batch import SequenceSample
-    from mcore_packing.megatron import cpu_device_adapter, get_packed_gpt_block_spec
+    import mcore_packing.megatron.prepare as prepare
+    import mcore_packing.megatron.schedule as schedule
+    from mcore_packing.megatron import (
+        ParallelGroups,
+        compute_logprobs,
+        cpu_device_adapter,
+        get_packed_gpt_block_spec,
+        run_step,
+    )
     from mcore_packing.planning import StepPlanConfig, plan_step
-    from mcore_packing.schedule import ParallelGroups, compute_logprobs, run_step
+    from mcore_packing.thd import SequenceSample
 
     seq_samples = [SequenceSample(s["tokens"], s["loss_mask"]) for s in samples]
     lengths = [len(s["tokens"]) for s in samples]
     results = []
     for cfg in configs:
-        importlib.reload(schedule)  # undo any negative-control patch of the previous config
+        importlib.reload(prepare)  # undo any negative-control patch of the previous config
+        importlib.reload(schedule)
         _apply_negative_control(cfg.get("negative"))
         tp, pp, cp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1)
         _init(tp, pp, cp)
@@ -332,7 +326,8 @@ def plan_mismatch_worker(rank, world_size):
     """Rank 1 plans a different global batch; both ranks must raise, not hang."""
     import torch.distributed as dist
 
-    from mcore_packing.planning import StepPlanConfig, plan_step, verify_plan_across_ranks
+    from mcore_packing.megatron import verify_plan_across_ranks
+    from mcore_packing.planning import StepPlanConfig, plan_step
 
     lengths = [10, 20, 30, 40] + ([5] if rank == 1 else [])
     plan = plan_step(lengths, StepPlanConfig(train_mb_tokens=64, dp_size=world_size))

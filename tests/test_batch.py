@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch, samples_from_padded, unpack
+from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, samples_from_padded, unpack
 
 
 def test_docstring_worked_example():

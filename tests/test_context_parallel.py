@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch
-from mcore_packing.context_parallel import (
+from mcore_packing.thd import (
+    PaddingRule,
+    SequenceSample,
     bshd_partition_indices,
+    build_packed_batch,
     slice_bshd_for_cp,
     slice_for_cp,
     thd_partition_indices,

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from mcore_packing import compat
-from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch
-from mcore_packing.context_parallel import thd_partition_indices
+from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, thd_partition_indices
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from mcore_packing import compat
-from mcore_packing.batch import PaddingRule, SequenceSample, build_packed_batch
 from mcore_packing.megatron import (
     get_packed_gpt_layer_spec,
     resolve_attention_backend,
@@ -17,6 +16,7 @@ from mcore_packing.megatron import (
     to_packed_seq_params,
 )
 from mcore_packing.megatron.attention import PackedCoreAttention
+from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
 
 from .distributed_harness import run_distributed
 from .megatron_workers import tiny_attention_config

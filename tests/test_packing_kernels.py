@@ -93,13 +93,19 @@ def test_paths_agree_on_a_large_realistic_case(monkeypatch):
     assert len({str(r) for r in results.values()}) == 1, "kernel paths disagree"
 
 
-def test_negative_control_reference_detects_a_wrong_tie_break():
-    # If the kernel broke ties among equal lengths by the higher index, the reference comparison would fail.
-    lengths = [5, 5, 5, 5]
-    ours = get_packer("ffd", 10).pack(lengths)
-    wrong = [[1, 0], [3, 2]]
-    assert ours == reference_decreasing_fit(lengths, 10, best_fit=False)
-    assert ours != wrong
+def test_negative_control_reference_detects_a_wrong_tie_break(monkeypatch):
+    # Patch the kernels' sort so equal lengths go by the higher index first: the same comparison with the
+    # naive reference that the property tests rely on must now fail, for FFD and BFD alike.
+    lengths = [5, 5, 5, 5, 3, 7, 3]
+    reference = {name: reference_decreasing_fit(lengths, 10, best_fit=name == "bfd") for name in ("ffd", "bfd")}
+    for name in ("ffd", "bfd"):
+        assert get_packer(name, 10).pack(lengths) == reference[name]
+    reversed_ties = lambda x: np.lexsort((-np.arange(len(x)), -np.asarray(x)))  # noqa: E731
+    monkeypatch.setattr(_kernels, "stable_descending_order", reversed_ties)
+    for name in ("ffd", "bfd"):
+        patched = get_packer(name, 10).pack(lengths)
+        assert patched != reference[name], f"{name}: a wrong tie-break went unnoticed"
+        assert sorted(i for b in patched for i in b) == list(range(len(lengths)))  # still a valid packing
 
 
 def test_intset_queries_match_a_sorted_list():

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from mcore_packing import plan
+from mcore_packing.app import plan_command as plan
 
 
 def run(capsys, *argv):
@@ -111,7 +111,7 @@ def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
             "[10, 5000, 6000]",
             ".json",
             ["--mb-tokens", "4096"],
-            "2 of 3 sequences are longer than a micro-batch (4096 tokens",
+            "2 of 3 samples are longer than a micro-batch (4096 tokens = --mb-tokens 4096",
         ),
         ("[10, 20]", ".json", ["--mb-tokens", "0"], "--mb-tokens must be >= 1"),
         ("[10, 20]", ".json", ["--algorithm", "magic"], "Valid names"),
@@ -148,8 +148,12 @@ def test_model_shape_from_a_recipe_changes_the_cost(capsys):
     assert code == 0
     doc = json.loads(out)
     assert doc["config"]["model_shape"]["num_layers"] == 28 and doc["config"]["model_shape"]["vocab_size"] == 152064
-    code, out, _ = run(capsys, *args, "--layers", "2", "--hidden", "256", "--heads", "4", "--vocab", "1000")
+    code, out, _ = run(
+        capsys, *args, "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--vocab", "1000"
+    )
     small = json.loads(out)
     assert small["summary"]["attention_share_of_real_work"] > doc["summary"]["attention_share_of_real_work"]
     code, _, err = run(capsys, "--recipe", "nope", "--no-png")
     assert code == 2 and "Available:" in err
+    code, _, err = run(capsys, *args, "--heads", "4")  # the default shape has 8 key/value heads
+    assert code == 2 and "not a multiple of num_query_groups=8" in err

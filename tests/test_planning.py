@@ -113,9 +113,13 @@ def test_logprob_budget_is_used_for_forward_only():
 @pytest.mark.parametrize(
     "kwargs, lengths, fragment",
     [
-        ({"train_mb_tokens": 100}, [50, 120], "train_mb_tokens=100 (x cp=1: 100 tokens per micro-batch) is smaller"),
+        (
+            {"train_mb_tokens": 100},
+            [50, 120],
+            "1 of 2 samples are longer than a micro-batch (100 tokens = train_mb_tokens 100 x cp 1)",
+        ),
         ({"train_mb_tokens": 64, "cp_size": 2}, [130], "Raise train_mb_tokens to at least 66"),
-        ({"train_mb_tokens": 100, "logprob_mb_tokens": 50}, [60], "logprob_mb_tokens=50"),
+        ({"train_mb_tokens": 100, "logprob_mb_tokens": 50}, [60], "(50 tokens = logprob_mb_tokens 50 x cp 1)"),
         ({"mode": "dynamic", "dp_size": 4, "train_mb_tokens": 10}, [9, 9], "same number of micro-batches"),
         ({"dp_size": 4}, [9, 9], "Cannot create 4 bins with only 2 sequences"),
         ({}, [], "global batch is empty"),
@@ -131,7 +135,7 @@ def test_bad_plans(kwargs, lengths, fragment):
 @pytest.mark.parametrize(
     "kwargs, fragment",
     [
-        ({"mode": "both"}, "Pick one"),
+        ({"mode": "both"}, "mode must be one of packing, dynamic, padded"),
         ({"microbatch_order": "random"}, "microbatch_order"),
         ({"train_mb_tokens": 0}, "train_mb_tokens must be an integer >= 1"),
         ({"dp_size": 0}, "dp_size"),

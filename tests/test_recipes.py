@@ -7,9 +7,9 @@ import dataclasses
 
 import pytest
 
-from mcore_packing.config import TrainConfig, validate_config
-from mcore_packing.recipes import RECIPES, apply_packing, llama3_8b_sft_packed
-from mcore_packing.run import main
+from mcore_packing.app.config import TrainConfig, plan_config, validate_layout
+from mcore_packing.app.recipes import RECIPES, apply_packing, llama3_8b_sft_packed
+from mcore_packing.app.train_command import main
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -27,7 +27,7 @@ def test_recipes_fit_the_cluster_they_are_given(nodes, gpus):
         except ValueError as exc:  # a layout that cannot fill this cluster says what it needs
             assert "needs a multiple of" in str(exc)
             continue
-        validate_config(cfg, nodes * gpus)
+        validate_layout(cfg, nodes * gpus)
         assert cfg.cluster.num_nodes == nodes and cfg.cluster.gpus_per_node == gpus
     assert llama3_8b_sft_packed(num_nodes=nodes, gpus_per_node=gpus).parallel.tp <= gpus
 
@@ -58,15 +58,13 @@ def test_overrides_use_hydra_grammar(capsys):
 
 
 def test_refine_override_reaches_the_plan(capsys):
-    from mcore_packing.train import _plan_config
-
     assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.refine=false"]) == 0  # a known key
     assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.refine=maybe"]) == 2
 
     cfg = RECIPES["tiny_cpu_sft"]()
-    assert _plan_config(cfg, 1).refine is None  # the algorithm's default
+    assert plan_config(cfg, 1).refine is None  # the algorithm's default
     off = dataclasses.replace(cfg, sequence_packing=dataclasses.replace(cfg.sequence_packing, refine=False))
-    assert _plan_config(off, 1).refine is False
+    assert plan_config(off, 1).refine is False
 
 
 def test_apply_packing_is_pure_and_idempotent():

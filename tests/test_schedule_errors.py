@@ -7,9 +7,10 @@ import types
 import pytest
 import torch
 
-from mcore_packing.batch import SequenceSample
+from mcore_packing.megatron.schedule import _check_samples, _check_schedule_config
+from mcore_packing.megatron.unpacked_losses import sequence_loss_sum
 from mcore_packing.planning import StepPlanConfig, plan_step
-from mcore_packing.schedule import _check_samples, _check_schedule_config, _sequence_loss_sum
+from mcore_packing.thd import SequenceSample
 
 from .distributed_harness import run_distributed
 
@@ -40,16 +41,17 @@ def test_samples_must_match_the_plan():
 
 
 def test_sequence_loss_with_wrong_shape_names_what_was_expected():
-    from mcore_packing.batch import PaddingRule, build_packed_batch
-    from mcore_packing.loss import StepTotals
+    from mcore_packing.thd import PaddingRule, StepTotals, build_packed_batch
 
     batch = build_packed_batch([SequenceSample([1, 2, 3]), SequenceSample([4, 5])], PaddingRule())
-    prep = types.SimpleNamespace(full_batch=batch)
+    prep = types.SimpleNamespace(
+        packed=batch, full_loss_mask=batch.loss_mask[0], sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths
+    )
     groups = types.SimpleNamespace(cp_size=1)
     output = torch.rand(1, batch.total_tokens)
     with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor for each sequence, got \(2,\)"):
-        _sequence_loss_sum(prep, output, lambda lp, m: lp * m, groups, StepTotals(3, 2))
-    value = _sequence_loss_sum(prep, output, lambda lp, m: (lp * m).sum(), groups, StepTotals(3, 2))
+        sequence_loss_sum(prep, output, lambda lp, m: lp * m, groups, StepTotals(3, 2))
+    value = sequence_loss_sum(prep, output, lambda lp, m: (lp * m).sum(), groups, StepTotals(3, 2))
     assert value.dim() == 0
 
 

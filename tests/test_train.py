@@ -28,7 +28,7 @@ SMALL = [
 
 
 def train(run_dir: Path, *overrides: str, torchrun: int = 0, env: dict | None = None, timeout: int = 600):
-    cmd = [sys.executable, "-m", "mcore_packing.train"]
+    cmd = [sys.executable, "-m", "mcore_packing", "train"]
     if torchrun:
         cmd = [
             sys.executable,
@@ -37,7 +37,8 @@ def train(run_dir: Path, *overrides: str, torchrun: int = 0, env: dict | None = 
             "--standalone",
             f"--nproc_per_node={torchrun}",
             "-m",
-            "mcore_packing.train",
+            "mcore_packing",
+            "train",
         ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
@@ -101,35 +102,52 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "overrides, env, fragment",
+    "overrides, world, fragment",
     [
-        (["dynamic_batching.enabled=true"], {}, "are both true"),
-        (["+new.key=1"], {}, "Unknown config key 'new'"),
-        (["sequence_packing.train_mb_tokens=100"], {}, "smaller than the longest sample"),
-        (
-            ["parallel.cp=2", "parallel.make_sequence_length_divisible_by=6"],
-            {"WORLD_SIZE": "2"},
-            "incompatible with parallel.cp=2",
-        ),
-        (["parallel.tp=2"], {}, "World size 1 does not factor"),
-        (["sequence_packing.algorithm=magic"], {}, "sequence_packing: Unknown packing algorithm 'magic'"),
-        (
-            ["sequence_packing.algorithm=concatenative", "sequence_packing.refine=true"],
-            {},
-            "not available for 'concatenative'",
-        ),
-        (["resume=true"], {}, "there is no checkpoint"),
+        (["dynamic_batching.enabled=true"], 1, "are both true"),
+        (["+new.key=1"], 1, "Unknown config key 'new'"),
+        (["sequence_packing.train_mb_tokens=100"], 1, "samples are longer than a micro-batch (100 tokens = "),
+        (["parallel.cp=2", "parallel.make_sequence_length_divisible_by=6"], 2, "incompatible with parallel.cp=2"),
+        (["parallel.tp=2"], 1, "World size 1 does not factor"),
+        (["sequence_packing.algorithm=magic"], 1, "sequence_packing: Unknown packing algorithm 'magic'"),
+        (["sequence_packing.algorithm=concatenative", "sequence_packing.refine=true"], 1, "not available for"),
+        (["resume=true"], 1, "there is no checkpoint"),
         (
             ["parallel.pp=2", "sequence_packing.enabled=false", "dynamic_batching.enabled=true"],
-            {"WORLD_SIZE": "2"},
+            2,
             "needs parallel.variable_seq_lengths=true",
         ),
+        (["training.balance=greedy"], 1, "training.balance must be one of cost, tokens, round_robin"),
+        (["data.max_sample_tokens=0"], 1, "data.max_sample_tokens must be an integer >= 1"),
+        (["training.global_batch_size=600"], 1, "larger than the data set"),
     ],
 )
-def test_validation_errors_exit_2_and_name_the_key(tmp_path, overrides, env, fragment):
-    proc = train(tmp_path / "run", *overrides, env=env, timeout=120)
+def test_validation_errors_name_the_key(tmp_path, overrides, world, fragment):
+    """In-process: every check that runs before Megatron (`prepare_run`) on the composed Hydra config."""
+    from mcore_packing.app.config import ConfigError
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    with pytest.raises(ConfigError) as err:
+        prepare_run(compose_config(None, [*SMALL, f"run_dir={tmp_path}", *overrides]), world)
+    assert fragment in str(err.value)
+
+
+def test_valid_config_passes_the_same_checks(tmp_path):
+    """The control for the test above: the same path accepts the defaults."""
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    inputs = prepare_run(compose_config(None, [*SMALL, f"run_dir={tmp_path}"]), 2)
+    assert inputs.dp == 2 and inputs.step_config.mode == "packing" and len(inputs.lengths) >= 48
+
+
+def test_a_config_error_exits_2_from_the_command_line(tmp_path):
+    """One subprocess for the exit-code path: the message on stderr, code 2, no traceback."""
+    proc = train(tmp_path / "run", "sequence_packing.train_mb_tokens=100", timeout=120)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert fragment in proc.stderr
+    assert "config error: " in proc.stderr and "Raise sequence_packing.train_mb_tokens to at least" in proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
@@ -165,5 +183,9 @@ def test_users_jsonl_data(tmp_path):
     info = next(line for line in proc.stdout.splitlines() if '"source": "jsonl"' in line)
     assert '"num_records": 40' in info
     assert len(metrics(tmp_path / "run")) == 3
-    bad = train(tmp_path / "bad", "data=jsonl", f"data.path={path}", "data.text_field=body", timeout=120)
-    assert bad.returncode == 2 and "has no field 'body'" in bad.stderr
+    from mcore_packing.app.config import ConfigError
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    with pytest.raises(ConfigError, match="has no field 'body'"):
+        prepare_run(compose_config(None, [*SMALL, "data=jsonl", f"data.path={path}", "data.text_field=body"]), 1)

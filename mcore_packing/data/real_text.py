@@ -22,6 +22,7 @@ import numpy as np
 __all__ = [
     "REAL_CORPORA",
     "champ_conversation_texts",
+    "champ_conversations",
     "get_tokenizer",
     "read_jsonl_texts",
     "real_corpus_lengths",
@@ -49,23 +50,30 @@ def get_tokenizer(encoding: str = DEFAULT_ENCODING):
 
 
 @functools.lru_cache(maxsize=1)
-def champ_conversation_texts() -> tuple[str, ...]:
-    """Every CHAMP conversation as one text: its messages joined by newlines, in a stable order."""
+def champ_conversations() -> tuple[tuple[tuple[str, str], ...], ...]:
+    """Every CHAMP conversation as ``((role, text), ...)`` (empty messages left out), in a stable order:
+    problems by id, conversations by name. The one reader of the CHAMP JSON file."""
     try:
         from champ_dataset import BASE_FOLDER
     except ImportError as exc:  # pragma: no cover
         raise _missing("champ-dataset") from exc
     with open(Path(str(BASE_FOLDER)) / "dataset_files" / "v0.json", encoding="utf-8") as f:
         data = json.load(f)
-    texts = []
+    out = []
     for problem_id in sorted(data["problems"]):
         conversations = data["problems"][problem_id].get("conversations") or {}
         for name in sorted(conversations):
             messages = conversations[name].get("messages") or []
-            parts = [f"{m['role']}: {m['text']}" for m in messages if m.get("text")]
-            if parts:
-                texts.append("\n".join(parts))
-    return tuple(texts)
+            turns = tuple((str(m["role"]), m["text"]) for m in messages if m.get("text"))
+            if turns:
+                out.append(turns)
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=1)
+def champ_conversation_texts() -> tuple[str, ...]:
+    """Every CHAMP conversation as one text: ``role: text`` lines joined by newlines."""
+    return tuple("\n".join(f"{role}: {text}" for role, text in turns) for turns in champ_conversations())
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,14 +14,13 @@ Samples longer than ``max_sample_tokens``: ``split`` into consecutive pieces (no
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
 
-from ..batch import SequenceSample
-from .real_text import get_tokenizer, read_jsonl_texts
+from .real_text import champ_conversations, get_tokenizer, read_jsonl_texts
+from .sample import SequenceSample
 
 __all__ = ["SftData", "load_sft_data"]
 
@@ -36,29 +35,55 @@ class SftData:
 
 
 def _champ_segments(learn_prompt: bool) -> list[list[tuple[str, bool]]]:
-    import os
-
-    from champ_dataset import BASE_FOLDER
-
-    with open(os.path.join(str(BASE_FOLDER), "dataset_files", "v0.json"), encoding="utf-8") as f:
-        data = json.load(f)
-    out = []
-    for problem_id in sorted(data["problems"]):
-        conversations = data["problems"][problem_id].get("conversations") or {}
-        for name in sorted(conversations):
-            segments = []
-            for m in conversations[name].get("messages") or []:
-                if not m.get("text"):
-                    continue
-                learned = learn_prompt or str(m["role"]).startswith("Model")
-                segments.append((f"{m['role']}: {m['text']}\n", learned))
-            if segments:
-                out.append(segments)
-    return out
+    return [
+        [(f"{role}: {text}\n", learn_prompt or role.startswith("Model")) for role, text in turns]
+        for turns in champ_conversations()
+    ]
 
 
 def _jsonl_segments(path: str, field: str) -> list[list[tuple[str, bool]]]:
     return [[(text, True)] for text in read_jsonl_texts(path, field)]
+
+
+def _tokenize(records, encoding: str) -> tuple[list[list[int]], list[list[float]]]:
+    """Token ids and a per-token learned flag of every record (records without tokens are left out)."""
+    tokenizer = get_tokenizer(encoding)
+    encode = tokenizer.encode_ordinary if hasattr(tokenizer, "encode_ordinary") else tokenizer.encode
+    token_lists, mask_lists = [], []
+    for segments in records:
+        ids, mask = [], []
+        for text, learned in segments:
+            piece = encode(text)
+            ids.extend(piece)
+            mask.extend([1.0 if learned else 0.0] * len(piece))
+        if ids:
+            token_lists.append(ids)
+            mask_lists.append(mask)
+    return token_lists, mask_lists
+
+
+def _limit_lengths(token_lists, mask_lists, remap, long_samples: str, max_sample_tokens: int):
+    """Samples in the compact vocabulary, long ones split, dropped or refused; returns (samples, split, dropped)."""
+    samples: list[SequenceSample] = []
+    dropped = split = 0
+    for ids, mask in zip(token_lists, mask_lists, strict=True):
+        compact = np.fromiter((remap.get(t, UNK_ID) for t in ids), dtype=np.int64, count=len(ids))
+        mask_arr = np.asarray(mask, dtype=np.float32)
+        if len(ids) <= max_sample_tokens:
+            samples.append(SequenceSample(compact, mask_arr))
+            continue
+        if long_samples == "error":
+            raise ValueError(
+                f"A sample has {len(ids)} tokens, over data.max_sample_tokens={max_sample_tokens}. Raise it, or set "
+                "data.long_samples=split (keeps every token in pieces) or drop."
+            )
+        if long_samples == "drop":
+            dropped += 1
+            continue
+        split += 1
+        for lo in range(0, len(ids), max_sample_tokens):
+            samples.append(SequenceSample(compact[lo : lo + max_sample_tokens], mask_arr[lo : lo + max_sample_tokens]))
+    return samples, split, dropped
 
 
 def load_sft_data(
@@ -84,40 +109,12 @@ def load_sft_data(
         # Evenly spaced over the corpus (CHAMP is ordered by problem), deterministic.
         picks = np.linspace(0, len(records) - 1, num_samples).round().astype(int)
         records = [records[i] for i in picks]
-    tokenizer = get_tokenizer(encoding)
-    token_lists, mask_lists = [], []
-    for segments in records:
-        ids, mask = [], []
-        for text, learned in segments:
-            piece = tokenizer.encode_ordinary(text) if hasattr(tokenizer, "encode_ordinary") else tokenizer.encode(text)
-            ids.extend(piece)
-            mask.extend([1.0 if learned else 0.0] * len(piece))
-        if ids:
-            token_lists.append(ids)
-            mask_lists.append(mask)
+    token_lists, mask_lists = _tokenize(records, encoding)
     counts = Counter(t for ids in token_lists for t in ids)
     keep = [t for t, _ in counts.most_common(vocab_size - 1)]
     remap = {t: i + 1 for i, t in enumerate(keep)}
-    samples: list[SequenceSample] = []
-    dropped = split = 0
     total_tokens = sum(len(ids) for ids in token_lists)
-    for ids, mask in zip(token_lists, mask_lists, strict=True):
-        compact = np.fromiter((remap.get(t, UNK_ID) for t in ids), dtype=np.int64, count=len(ids))
-        mask_arr = np.asarray(mask, dtype=np.float32)
-        if len(ids) <= max_sample_tokens:
-            samples.append(SequenceSample(compact, mask_arr))
-            continue
-        if long_samples == "error":
-            raise ValueError(
-                f"A sample has {len(ids)} tokens, over data.max_sample_tokens={max_sample_tokens}. Raise it, or set "
-                "data.long_samples=split (keeps every token in pieces) or drop."
-            )
-        if long_samples == "drop":
-            dropped += 1
-            continue
-        split += 1
-        for lo in range(0, len(ids), max_sample_tokens):
-            samples.append(SequenceSample(compact[lo : lo + max_sample_tokens], mask_arr[lo : lo + max_sample_tokens]))
+    samples, split, dropped = _limit_lengths(token_lists, mask_lists, remap, long_samples, max_sample_tokens)
     if not samples:
         raise ValueError("No samples are left after loading; check data.source/path and data.long_samples.")
     unk = sum(c for t, c in counts.items() if t not in remap)

@@ -19,56 +19,21 @@ Only causal self-attention (GPT) is supported; dropout uses torch's RNG (no TP R
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
 from ..compat import require_megatron, varlen_attn_available
-from ..context_parallel import all_gather_cat, bshd_inverse_order, bshd_partition_indices, thd_inverse_order
+from ..thd.context_parallel import all_gather_cat, bshd_inverse_order, bshd_partition_indices, thd_inverse_order
+from .packed_seq import ThdLayout, thd_layout
 
 require_megatron()
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
-__all__ = ["BACKENDS", "PackedCoreAttention", "ThdLayout", "thd_layout"]
+__all__ = ["BACKENDS", "PackedCoreAttention"]
 
 BACKENDS = ("auto", "sdpa", "varlen")
-
-
-@dataclass(frozen=True)
-class ThdLayout:
-    """Host-side description of a packed row, so attention needs no device-to-host copy per layer."""
-
-    padded_starts: tuple[int, ...]
-    padded_lengths: tuple[int, ...]
-    real_lengths: tuple[int, ...]
-
-    @property
-    def total(self) -> int:
-        return self.padded_starts[-1] + self.padded_lengths[-1] if self.padded_starts else 0
-
-
-_LAYOUT_ATTR = "_mcore_packing_layout"
-
-
-def thd_layout(packed_seq_params) -> ThdLayout:
-    """The `ThdLayout` attached by `packed_seq.to_packed_seq_params`, or one read back from the tensors."""
-    layout = getattr(packed_seq_params, _LAYOUT_ATTR, None)
-    if layout is None:  # built elsewhere: read once (one sync) and cache on the params object
-        padded = packed_seq_params.cu_seqlens_q_padded
-        if padded is None:
-            padded = packed_seq_params.cu_seqlens_q
-        padded = padded.tolist()
-        real = packed_seq_params.cu_seqlens_q.tolist()
-        layout = ThdLayout(
-            padded_starts=tuple(padded[:-1]),
-            padded_lengths=tuple(b - a for a, b in pairwise(padded)),
-            real_lengths=tuple(b - a for a, b in pairwise(real)),
-        )
-        setattr(packed_seq_params, _LAYOUT_ATTR, layout)
-    return layout
 
 
 class PackedCoreAttention(MegatronModule):

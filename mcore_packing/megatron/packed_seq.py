@@ -1,21 +1,58 @@
-"""Megatron-Core ``PackedSeqParams`` from a `PackedBatch`.
+"""Megatron-Core ``PackedSeqParams`` from a `PackedBatch`, and the host-side layout attention reads.
 
 cu_seqlens are built on the host as int32 and copied to the model's device without blocking (from pinned
 memory on CUDA); ``max_seqlen`` is a Python int known on the host. So building the params costs no
-device-to-host synchronization. The host-side layout is attached to the params object so the attention
-module needs none either. Fields that newer megatron-core releases added (``total_tokens``,
+device-to-host synchronization. The host-side layout (`ThdLayout`) is attached to the params object so
+the attention module (`attention.PackedCoreAttention`) needs none either: this module writes it,
+`thd_layout` reads it. Fields that newer megatron-core releases added (``total_tokens``,
 ``pad_between_seqs``) are passed only when the installed ``PackedSeqParams`` has them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from itertools import pairwise
+
 import torch
 
-from ..batch import PackedBatch
 from ..compat import packed_seq_params_fields, require_megatron
-from .attention import _LAYOUT_ATTR, ThdLayout
+from ..thd.packed_batch import PackedBatch
 
-__all__ = ["to_packed_seq_params"]
+__all__ = ["ThdLayout", "thd_layout", "to_packed_seq_params"]
+
+_LAYOUT_ATTR = "_mcore_packing_layout"
+
+
+@dataclass(frozen=True)
+class ThdLayout:
+    """Host-side description of a packed row, so attention needs no device-to-host copy per layer."""
+
+    padded_starts: tuple[int, ...]
+    padded_lengths: tuple[int, ...]
+    real_lengths: tuple[int, ...]
+
+    @property
+    def total(self) -> int:
+        return self.padded_starts[-1] + self.padded_lengths[-1] if self.padded_starts else 0
+
+
+def thd_layout(packed_seq_params) -> ThdLayout:
+    """The `ThdLayout` attached by `to_packed_seq_params`, or one read back from the tensors (params built
+    elsewhere: one sync, then cached on the params object)."""
+    layout = getattr(packed_seq_params, _LAYOUT_ATTR, None)
+    if layout is None:
+        padded = packed_seq_params.cu_seqlens_q_padded
+        if padded is None:
+            padded = packed_seq_params.cu_seqlens_q
+        padded = padded.tolist()
+        real = packed_seq_params.cu_seqlens_q.tolist()
+        layout = ThdLayout(
+            padded_starts=tuple(padded[:-1]),
+            padded_lengths=tuple(b - a for a, b in pairwise(padded)),
+            real_lengths=tuple(b - a for a, b in pairwise(real)),
+        )
+        setattr(packed_seq_params, _LAYOUT_ATTR, layout)
+    return layout
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

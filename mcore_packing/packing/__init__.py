@@ -1,7 +1,9 @@
-"""Bin packing of sequence lengths into fixed-capacity micro-batches (pure numpy, no torch.distributed)."""
+"""Bin packing of sequence lengths into fixed-capacity micro-batches: the algorithms, the bin-count
+constraints, cost-capped packing and metrics. Pure numpy; never imports torch."""
 
 from .bins import PackedBins
-from .constraints import required_bin_count
+from .constraints import enforce_bin_count, required_bin_count
+from .cost_capped import cost_capped_first_fit
 from .metrics import PackingMetrics
 from .packers import (
     ALGORITHM_ALIASES,
@@ -29,6 +31,8 @@ __all__ = [
     "PackingAlgorithm",
     "PackingMetrics",
     "SequencePacker",
+    "cost_capped_first_fit",
+    "enforce_bin_count",
     "get_packer",
     "required_bin_count",
     "resolve_algorithm",

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..validators import require_positive_int
+
 __all__ = ["as_lengths", "check_capacity", "check_optional_positive_int"]
 
 
@@ -28,13 +30,8 @@ def check_capacity(bin_capacity: object) -> int:
 
 def check_optional_positive_int(name: str, value: object) -> int | None:
     """Validate an optional count such as ``min_bin_count``; None means 'no constraint'."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive integer or None, got {value!r} ({type(value).__name__}).")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive integer or None, got {value}. Use None for no constraint.")
-    return int(value)
+    require_positive_int(name, value, allow_none=True)
+    return None if value is None else int(value)
 
 
 def as_lengths(sequence_lengths: Sequence[int] | np.ndarray, bin_capacity: int) -> np.ndarray:

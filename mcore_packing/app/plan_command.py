@@ -1,8 +1,8 @@
-"""``python -m mcore_packing.plan``: what packing will do to your data, before you train.
+"""``python -m mcore_packing plan``: what packing will do to your data, before you train.
 
 Reads sequence lengths (a built-in real corpus, a file of lengths, or a JSONL file tokenized with a
 bundled vocabulary), cuts them into global batches in data order, plans every batch exactly as training
-would (`planning.plan_step`: packing, dynamic or padded; DP/TP/PP/CP/SP), and reports:
+would (`mcore_packing.planning.report`: packing, dynamic or padded; DP/TP/PP/CP/SP), and reports:
 
 - packing efficiency, bins and the lower bound ceil(tokens / capacity);
 - micro-batches per data-parallel rank;
@@ -13,33 +13,39 @@ would (`planning.plan_step`: packing, dynamic or padded; DP/TP/PP/CP/SP), and re
 
 It writes one PNG (length histogram, micro-batch fill, per-rank load, useful-token share per mode) and,
 with ``--json``, one JSON document. Bad input exits with code 2 and a message that says what to fix.
+Never imports torch: it runs on a login node.
 
-    python -m mcore_packing.plan                                        # CHAMP conversations, qwen3 tokens
-    python -m mcore_packing.plan --jsonl my.jsonl --field text --dp 8 --cp 2 --recipe llama3_8b_sft_packed
-    python -m mcore_packing.plan --lengths lengths.npy --mb-tokens 8192 --json > plan.json
+    python -m mcore_packing plan                                        # CHAMP conversations, qwen3 tokens
+    python -m mcore_packing plan --jsonl my.jsonl --field text --dp 8 --cp 2 --recipe llama3_8b_sft_packed
+    python -m mcore_packing plan --lengths lengths.npy --mb-tokens 8192 --json > plan.json
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
-from .config import model_shape
-from .cost import CostModel
-from .data.real_text import REAL_CORPORA, real_corpus_lengths
-from .packing import DEFAULT_ALGORITHM, PackingMetrics, get_packer, resolve_algorithm
-from .planning import MODES, StepPlanConfig, plan_step
-from .recipes import RECIPES, llama3_8b_sft_packed
+from ..data.real_text import REAL_CORPORA, real_corpus_lengths
+from ..packing import DEFAULT_ALGORITHM, PackingMetrics, get_packer, resolve_algorithm
+from ..planning import BALANCES, MODES, CostModel, ModelShape, StepPlanConfig, recommend_budget, summarize
+from .recipes import RECIPES
 
-__all__ = ["PlanInputError", "load_lengths", "main", "summarize"]
+__all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
 
-# Default model shape for cost numbers: the Llama-3-8B recipe's.
-DEFAULT_SHAPE = model_shape(llama3_8b_sft_packed())
+
+def recipe_shape(name: str) -> ModelShape:
+    """A recipe's model shape with its data vocabulary (each recipe's default cluster fits its layout)."""
+    cfg = RECIPES[name]()
+    return cfg.model.shape(cfg.data.vocab_size)
+
+
+DEFAULT_SHAPE = recipe_shape("llama3_8b_sft_packed")
+"""Model shape for cost numbers when none is given: the Llama-3-8B recipe's."""
 
 
 class PlanInputError(ValueError):
@@ -86,156 +92,13 @@ def jsonl_lengths(path: str, field: str, encoding: str) -> np.ndarray:
     """Token counts of ``field`` in every record of a JSONL file (quicktok, bundled vocabulary)."""
     import quicktok
 
-    from .data.real_text import get_tokenizer, read_jsonl_texts
+    from ..data.real_text import get_tokenizer, read_jsonl_texts
 
     try:
         texts = read_jsonl_texts(path, field)
     except (FileNotFoundError, ValueError) as exc:
         raise PlanInputError(f"{exc} (pass --field NAME for another field)") from None
     return np.asarray(quicktok.count_batch(get_tokenizer(encoding), texts), dtype=np.int64)
-
-
-def _progress(done: int, total: int, start: float) -> None:
-    sys.stderr.write(f"\rplanning global batches: {done}/{total} ({time.time() - start:4.1f}s)")
-    if done == total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
-def _padded_cost(lengths: np.ndarray, rows: int, model: CostModel, cp: int) -> tuple[int, float]:
-    """Tokens and cost of pad-to-longest micro-batches of ``rows`` consecutive sequences."""
-    starts = np.arange(0, lengths.size, rows)
-    width = np.maximum.reduceat(lengths, starts).astype(np.float64)
-    count = np.diff(np.append(starts, lengths.size)).astype(np.float64)
-    tokens = int((width * count).sum())
-    cost = float((count * (model.linear * width + model.quadratic * width * width)).sum()) / cp
-    return tokens, cost
-
-
-def summarize(
-    lengths: np.ndarray,
-    config: StepPlanConfig,
-    *,
-    global_batch_size: int,
-    padded_rows: int,
-    model: CostModel,
-    progress: bool = False,
-) -> dict:
-    """Plan every global batch and aggregate the statistics reported by the CLI."""
-    step = global_batch_size if global_batch_size > 0 else lengths.size
-    batches = range(0, lengths.size, step)
-    total_batches = len(batches)
-    show = progress and total_batches >= 200 and sys.stderr.isatty()
-    start = time.time()
-    cp = config.cp_size
-    multiple = config.length_multiple
-    planned_tokens = 0
-    planned_cost = 0.0
-    padded_tokens = 0
-    padded_cost = 0.0
-    lower = 0
-    bins = 0
-    token_imbalance, cost_imbalance, fills = [], [], []
-    rank_tokens_total = np.zeros(config.dp_size)
-    rank_cost_total = np.zeros(config.dp_size)
-    for k, lo in enumerate(batches):
-        batch = lengths[lo : lo + step]
-        plan = plan_step(batch, config)
-        capacity = config.row_capacity()
-        lower += -(-int(batch.sum()) // capacity)
-        rank_tokens = np.zeros(config.dp_size)
-        rank_cost = np.zeros(config.dp_size)
-        for r, micro in enumerate(plan.micro_batches):
-            for mb in micro:
-                bins += 1
-                planned_tokens += mb.padded_tokens
-                seq = batch[np.asarray(mb.sample_indices)]
-                if config.mode == "packing":
-                    spans = -(-seq // multiple) * multiple
-                    extra = mb.shape[1] - int(spans.sum())  # row padding sits in the last span
-                    spans[-1] += extra
-                    c = float(model.sequence_cost(spans, cp).sum())
-                else:
-                    rows, width = mb.shape
-                    c = rows * float(model.sequence_cost([width], cp)[0])
-                # Packing: how full the row capacity is; padded layouts: real / computed tokens.
-                fills.append(int(seq.sum()) / (capacity if config.mode == "packing" else mb.padded_tokens))
-                rank_tokens[r] += mb.padded_tokens
-                rank_cost[r] += c
-                planned_cost += c
-        token_imbalance.append(rank_tokens.max() / rank_tokens.mean())
-        cost_imbalance.append(rank_cost.max() / rank_cost.mean())
-        rank_tokens_total += rank_tokens
-        rank_cost_total += rank_cost
-        t, c = _padded_cost(batch, padded_rows, model, cp)
-        padded_tokens += t
-        padded_cost += c
-        if show and (k % 50 == 0 or k == total_batches - 1):
-            _progress(k + 1, total_batches, start)
-    real = int(lengths.sum())
-    real_cost = float(model.sequence_cost(lengths, cp).sum())
-    return {
-        "num_global_batches": total_batches,
-        "micro_batches": bins,
-        "micro_batches_per_rank_per_step": bins / total_batches / config.dp_size,
-        "lower_bound": lower,
-        "packing_efficiency": lower / bins if bins else 1.0,
-        "useful_share_planned": real / planned_tokens,
-        "capacity_fill": real / (bins * config.row_capacity()) if bins else 1.0,
-        "useful_share_pad_to_longest": real / padded_tokens,
-        "useful_share_pad_to_capacity": real / (lengths.size * config.row_capacity()),
-        "padding_saved_vs_pad_to_longest": 1 - (planned_tokens - real) / max(padded_tokens - real, 1),
-        "padding_saved_vs_pad_to_capacity": 1
-        - (planned_tokens - real) / max(lengths.size * config.row_capacity() - real, 1),
-        "compute_saved_linear_only": 1 - planned_tokens / padded_tokens,
-        "compute_saved_with_attention": 1 - planned_cost / padded_cost,
-        "attention_share_of_real_work": model.attention_share(lengths),
-        "rank_token_imbalance_mean": float(np.mean(token_imbalance)),
-        "rank_token_imbalance_worst": float(np.max(token_imbalance)),
-        "rank_cost_imbalance_mean": float(np.mean(cost_imbalance)),
-        "rank_cost_imbalance_worst": float(np.max(cost_imbalance)),
-        "real_cost": real_cost,
-        "_fills": fills,
-        "_rank_tokens": rank_tokens_total.tolist(),
-        "_rank_cost": rank_cost_total.tolist(),
-    }
-
-
-def recommend_budget(lengths: np.ndarray, base: StepPlanConfig, global_batch_size: int, model: CostModel) -> dict:
-    """Try budgets from the longest padded sample up to 4x it and pick the smallest one that is within one
-    point of the best tried: for packing the fill of the row capacity (real tokens / micro-batches x
-    capacity), for dynamic batching the useful share of computed tokens. Larger budgets mean fewer,
-    bigger micro-batches (less per-micro-batch overhead) and more activation memory."""
-    multiple = base.length_multiple
-    longest = -(-int(lengths.max()) // multiple) * multiple
-    floor = -(-longest // base.cp_size)
-    candidates = sorted({_round_up(int(floor * f), 256) for f in (1, 1.25, 1.5, 2, 3, 4)})
-    sample = lengths[: max(global_batch_size, 1) * 20] if global_batch_size > 0 else lengths
-    key = "capacity_fill" if base.mode == "packing" else "useful_share_planned"
-    rows = []
-    for budget in candidates:
-        cfg = _replace(base, train_mb_tokens=budget)
-        s = summarize(sample, cfg, global_batch_size=global_batch_size, padded_rows=4, model=model)
-        rows.append(
-            {
-                "train_mb_tokens": budget,
-                "score": s[key],
-                "micro_batches_per_rank_per_step": s["micro_batches_per_rank_per_step"],
-            }
-        )
-    best = max(r["score"] for r in rows)
-    pick = next(r for r in rows if r["score"] >= best - 0.01)
-    return {"recommended_train_mb_tokens": pick["train_mb_tokens"], "criterion": key, "candidates": rows}
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _replace(config: StepPlanConfig, **changes) -> StepPlanConfig:
-    from dataclasses import replace
-
-    return replace(config, **changes)
 
 
 def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanConfig, source: str) -> None:
@@ -316,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
     p.add_argument(
         "--balance",
-        choices=["cost", "tokens", "round_robin"],
+        choices=BALANCES,
         default="cost",
         help="how micro-batches go to DP ranks (default: attention-aware cost)",
     )
@@ -346,35 +209,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _model_from_args(args) -> tuple[CostModel, dict]:
-    shape = dict(DEFAULT_SHAPE)
-    if args.recipe:
-        if args.recipe not in RECIPES:
-            raise PlanInputError(f"Unknown recipe {args.recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
-        shape = model_shape(RECIPES[args.recipe]())  # each recipe's default cluster fits its layout
-    for key in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "ffn_hidden_size",
-        "vocab_size",
-    ):
-        if getattr(args, key) is not None:
-            shape[key] = getattr(args, key)
-    return CostModel.from_shape(**shape), shape
+_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
 
 
-def _run(args: argparse.Namespace) -> int:
-    for name in ("mb_tokens", "dp", "tp", "pp", "cp", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    if args.global_batch_size < 0:
-        raise PlanInputError("--global-batch-size must be >= 0 (0 plans the whole data set as one batch).")
+def _shape_from_args(args) -> ModelShape:
+    """``--recipe``'s shape (default: the Llama-3-8B recipe's), with any of the shape flags applied."""
+    if args.recipe and args.recipe not in RECIPES:
+        raise PlanInputError(f"Unknown recipe {args.recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
+    shape = recipe_shape(args.recipe) if args.recipe else DEFAULT_SHAPE
+    changes = {key: getattr(args, key) for key in _SHAPE_FLAGS if getattr(args, key) is not None}
     try:
-        resolve_algorithm(args.algorithm)
+        return dataclasses.replace(shape, **changes)
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
+
+
+def _read_lengths(args) -> tuple[str, np.ndarray]:
     if args.lengths:
         source, lengths = args.lengths, load_lengths(args.lengths)
     elif args.jsonl:
@@ -385,9 +235,22 @@ def _run(args: argparse.Namespace) -> int:
     if (lengths <= 0).any():
         bad = int(np.flatnonzero(lengths <= 0)[0])
         raise PlanInputError(f"{source}: length {bad} is {int(lengths[bad])}; every sequence needs at least one token.")
-    model, shape = _model_from_args(args)
+    return source, lengths
+
+
+def _config_from_args(args, model: CostModel) -> StepPlanConfig:
+    for name in ("mb_tokens", "dp", "tp", "pp", "cp", "micro_batch_size"):
+        if getattr(args, name) < 1:
+            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
+    if args.global_batch_size < 0:
+        raise PlanInputError("--global-batch-size must be >= 0 (0 plans the whole data set as one batch).")
+    if 0 < args.global_batch_size < args.dp:
+        raise PlanInputError(
+            f"--global-batch-size {args.global_batch_size} is smaller than --dp {args.dp}; every rank needs a sample."
+        )
     try:
-        config = StepPlanConfig(
+        resolve_algorithm(args.algorithm)
+        return StepPlanConfig(
             mode=args.mode,
             train_mb_tokens=args.mb_tokens,
             algorithm=args.algorithm,
@@ -403,41 +266,45 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
-    capacity = config.row_capacity()
-    padded_lengths = -(-lengths // config.length_multiple) * config.length_multiple
-    too_long = int(np.count_nonzero(padded_lengths > capacity))
-    if too_long and args.mode != "padded":
-        need = -(-int(padded_lengths.max()) // args.cp)
-        raise PlanInputError(
-            f"{too_long} of {lengths.size} sequences are longer than a micro-batch ({capacity} tokens = --mb-tokens "
-            f"{args.mb_tokens} x cp {args.cp}; longest {int(lengths.max())}). Raise --mb-tokens to at least {need}, "
-            "raise --cp, or truncate/split those sequences upstream."
-        )
-    gbs = args.global_batch_size
-    if 0 < gbs < args.dp:
-        raise PlanInputError(f"--global-batch-size {gbs} is smaller than --dp {args.dp}; every rank needs a sample.")
+
+
+def _run(args: argparse.Namespace) -> int:
+    shape = _shape_from_args(args)
+    model = CostModel.from_shape(shape)
+    config = _config_from_args(args, model)
+    source, lengths = _read_lengths(args)
     try:
+        if args.mode != "padded":
+            config.check_fits(lengths, key="--mb-tokens", fix="truncate or split those sequences upstream")
         summary = summarize(
             lengths,
             config,
-            global_batch_size=gbs,
+            global_batch_size=args.global_batch_size,
             padded_rows=args.micro_batch_size,
             model=model,
             progress=not args.json,
         )
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
+    if not args.no_png:
+        write_png(args.png, lengths, summary, config, source)
+    doc = _document(args, source, lengths, config, shape, summary)
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        _print_text(doc)
+    return 0
+
+
+def _document(args, source, lengths, config: StepPlanConfig, shape: ModelShape, summary: dict) -> dict:
+    capacity = config.row_capacity()
     packer = get_packer(args.algorithm, capacity, refine=config.refine)
     whole = None
     if args.mode == "packing":
-        packed = packer.pack_bins(padded_lengths)
-        whole = PackingMetrics.compute(padded_lengths, packed, capacity).to_dict()
-    recommendation = (
-        None if args.no_recommend or args.mode == "padded" else recommend_budget(lengths, config, gbs, model)
-    )
-    if not args.no_png:
-        write_png(args.png, lengths, summary, config, source)
-    doc = {
+        padded = config.padded_lengths(lengths)
+        whole = PackingMetrics.compute(padded, packer.pack_bins(padded), capacity).to_dict()
+    recommend = not args.no_recommend and args.mode != "padded"
+    return {
         "source": source,
         "num_sequences": int(lengths.size),
         "num_tokens": int(lengths.sum()),
@@ -453,25 +320,20 @@ def _run(args: argparse.Namespace) -> int:
             "row_capacity": capacity,
             "algorithm": resolve_algorithm(args.algorithm).value,
             "refine": packer.refine,
-            "global_batch_size": gbs,
+            "global_batch_size": args.global_batch_size,
             "dp": args.dp,
             "tp": args.tp,
             "pp": args.pp,
             "cp": args.cp,
             "sp": args.sp,
             "balance": args.balance,
-            "model_shape": shape,
+            "model_shape": shape.to_dict(),
         },
         "summary": {k: v for k, v in summary.items() if not k.startswith("_")},
         "whole_dataset_packing": whole,
-        "budget": recommendation,
+        "budget": recommend_budget(lengths, config, args.global_batch_size, config.cost_model) if recommend else None,
         "png": None if args.no_png else args.png,
     }
-    if args.json:
-        print(json.dumps(doc, indent=1))
-        return 0
-    _print_text(doc)
-    return 0
 
 
 def _print_text(doc: dict) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .model_shape import ModelShape
+
 __all__ = ["CostModel"]
 
 
@@ -33,29 +35,19 @@ class CostModel:
     unit: str = "FLOP"
 
     @classmethod
-    def from_shape(
-        cls,
-        *,
-        num_layers: int,
-        hidden_size: int,
-        num_attention_heads: int,
-        num_query_groups: int | None = None,
-        ffn_hidden_size: int | None = None,
-        vocab_size: int = 32000,
-        gated_mlp: bool = True,
-        training: bool = True,
-    ) -> CostModel:
-        """The FLOP model of the module docstring for a GPT shape."""
-        heads_kv = num_query_groups or num_attention_heads
-        head_dim = hidden_size // num_attention_heads
-        ffn = ffn_hidden_size or 4 * hidden_size
-        matrices = 3 if gated_mlp else 2
-        per_layer = hidden_size * (num_attention_heads + 2 * heads_kv) * head_dim + hidden_size * hidden_size
-        per_layer += matrices * hidden_size * ffn
-        linear = 2.0 * num_layers * per_layer + 2.0 * hidden_size * vocab_size
-        quadratic = 2.0 * num_layers * hidden_size
+    def from_shape(cls, shape: ModelShape, *, training: bool = True) -> CostModel:
+        """The FLOP model of the module docstring for a model shape."""
+        per_layer = (
+            shape.hidden_size
+            * (shape.num_attention_heads + 2 * shape.kv_heads)
+            * (shape.hidden_size // shape.num_attention_heads)
+            + shape.hidden_size * shape.hidden_size
+        )
+        per_layer += (3 if shape.gated_mlp else 2) * shape.hidden_size * shape.ffn_size
+        linear = 2.0 * shape.num_layers * per_layer + 2.0 * shape.hidden_size * shape.vocab_size
+        quadratic = 2.0 * shape.num_layers * shape.hidden_size
         factor = 3.0 if training else 1.0
-        return cls(linear=factor * linear, quadratic=factor * quadratic)
+        return cls(linear=factor * linear, quadratic=quadratic * factor)
 
     def sequence_cost(self, lengths, cp_size: int = 1) -> np.ndarray:
         """Cost of each sequence on one CP rank."""

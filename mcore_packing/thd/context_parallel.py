@@ -23,10 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .batch import PackedBatch
-from .compat import te_thd_partitioned_indices
+from ..compat import te_thd_partitioned_indices
+from ..validators import require_positive_int
+from .packed_batch import PackedBatch
 
 __all__ = [
+    "all_gather_cat",
     "bshd_inverse_order",
     "bshd_partition_indices",
     "gather_bshd_from_cp",
@@ -39,8 +41,7 @@ __all__ = [
 
 
 def _check_cp(cp_size: int, cp_rank: int) -> None:
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}.")
+    require_positive_int("cp_size", cp_size)
     if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(f"cp_rank = {cp_rank!r} is out of range for cp_size = {cp_size}; use 0..{cp_size - 1}.")
 
@@ -121,8 +122,12 @@ def _check_against_transformer_engine(cu: np.ndarray, total: int, cp_size: int, 
         )
 
 
-def slice_for_cp(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
-    """The part of a packed micro-batch that CP rank ``cp_rank`` processes (cu_seqlens stay global)."""
+def slice_for_cp(batch: PackedBatch, cp_size: int, cp_rank: int, *, index: torch.Tensor | None = None) -> PackedBatch:
+    """The part of a packed micro-batch that CP rank ``cp_rank`` processes (cu_seqlens stay global).
+
+    ``index``: this rank's `thd_partition_indices` when the caller already computed them (to slice other
+    per-token tensors, e.g. loss weights, with the same index); computed here otherwise.
+    """
     if batch.cp_size != 1:
         raise ValueError(f"batch is already a CP shard (cp_size={batch.cp_size}); slice the whole packed batch.")
     if batch.tokens.shape[-1] != batch.total_tokens:
@@ -133,7 +138,8 @@ def slice_for_cp(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
     if cp_size == 1:
         _check_cp(cp_size, cp_rank)
         return batch
-    index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
+    if index is None:
+        index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
     index = index.to(batch.tokens.device)
     return replace(
         batch,

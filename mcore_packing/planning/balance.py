@@ -1,7 +1,7 @@
 """Balancing micro-batches across data-parallel ranks by cost, and ordering them on a rank.
 
 The slowest data-parallel rank sets the step time, and tokens are not work: attention grows with the
-square of each sequence's length. This module works on per-micro-batch costs (`cost.CostModel`), never
+square of each sequence's length. This module works on per-micro-batch costs (`cost_model.CostModel`), never
 on their contents, so the hard token cap of every micro-batch is untouched: balancing only decides
 which rank runs which micro-batch.
 
@@ -9,8 +9,6 @@ which rank runs which micro-batch.
   processing time first (heaviest micro-batch to the least-loaded rank that still needs one), then
   pairwise swaps between the most-loaded rank and each other rank while a swap lowers the maximum.
 - `assign_round_robin`: micro-batch ``i`` to rank ``i % num_ranks`` (what NeMo-RL does), for comparison.
-- `cost_capped_first_fit`: packing with a cost budget per bin as well as the token cap, so bins are even
-  in work, not just in tokens (first fit by decreasing cost under both limits).
 - `order_microbatches`: ``packer`` (as planned), ``largest_first`` (the caching allocator reuses the
   biggest blocks; peak memory is reached at once), ``bubble`` (smallest micro-batches at both ends of the
   step, largest in the middle: pipeline warm-up and cool-down, where stages idle, run the cheapest work).
@@ -23,15 +21,18 @@ import heapq
 import numpy as np
 
 __all__ = [
+    "BALANCES",
     "ORDERS",
     "assign_balanced",
     "assign_round_robin",
-    "cost_capped_first_fit",
     "max_over_mean",
     "order_microbatches",
 ]
 
 ORDERS = ("packer", "largest_first", "bubble")
+"""Micro-batch orders on a rank (``microbatch_order``)."""
+BALANCES = ("cost", "tokens", "round_robin")
+"""How micro-batches go to data-parallel ranks (``balance``)."""
 
 
 def max_over_mean(loads) -> float:
@@ -84,42 +85,6 @@ def assign_balanced(costs, num_ranks: int, *, max_rounds: int = 1000) -> list[li
         loads[hi] += costs[ib] - costs[ia]
         loads[r] += costs[ia] - costs[ib]
     return [sorted(rank) for rank in ranks]
-
-
-def cost_capped_first_fit(tokens, costs, token_capacity: int, cost_budget: float) -> list[list[int]]:
-    """Bins of item indices with ``sum(tokens) <= token_capacity`` and ``sum(costs) <= cost_budget``.
-
-    Items go in order of decreasing cost to the first bin where both fit. Raises ValueError when one
-    item alone exceeds either limit.
-    """
-    tokens = np.asarray(tokens, dtype=np.int64)
-    costs = np.asarray(costs, dtype=np.float64)
-    if tokens.size and tokens.max() > token_capacity:
-        i = int(np.argmax(tokens))
-        raise ValueError(f"item {i} has {int(tokens[i])} tokens, over the token capacity {token_capacity}.")
-    if costs.size and costs.max() > cost_budget:
-        i = int(np.argmax(costs))
-        raise ValueError(
-            f"cost budget {cost_budget:.4g} is below the costliest single sequence (item {i}, cost {costs[i]:.4g}); "
-            f"raise it to at least {costs[i]:.4g} or drop the cost budget."
-        )
-    room_tokens = np.empty(tokens.size, dtype=np.int64)
-    room_cost = np.empty(tokens.size, dtype=np.float64)
-    bins: list[list[int]] = []
-    for i in np.argsort(-costs, kind="stable").tolist():
-        nb = len(bins)
-        fits = np.flatnonzero((room_tokens[:nb] >= tokens[i]) & (room_cost[:nb] >= costs[i] - 1e-9 * cost_budget))
-        if fits.size:
-            b = int(fits[0])
-        else:
-            b = nb
-            bins.append([])
-            room_tokens[b] = token_capacity
-            room_cost[b] = cost_budget
-        bins[b].append(i)
-        room_tokens[b] -= tokens[i]
-        room_cost[b] -= costs[i]
-    return bins
 
 
 def order_microbatches(costs, order: str) -> list[int]:

@@ -4,7 +4,7 @@ Each takes ``num_nodes`` and ``gpus_per_node`` and picks a parallel layout that 
 the bundled CHAMP conversations so ``--dry-run`` works anywhere; point ``data=jsonl data.path=...`` at
 your data for a real run.
 
-    from mcore_packing.recipes import llama3_8b_sft_packed, apply_packing
+    from mcore_packing.app.recipes import llama3_8b_sft_packed, apply_packing
     cfg = llama3_8b_sft_packed(num_nodes=2, gpus_per_node=8)
     cfg = apply_packing(my_cfg, train_mb_tokens=16384)      # add packing to your own config
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..packing import resolve_algorithm
 from .config import (
     ClusterConfig,
     DataConfig,
@@ -22,7 +23,6 @@ from .config import (
     TrainConfig,
     TrainingConfig,
 )
-from .packing import resolve_algorithm
 
 __all__ = [
     "RECIPES",
@@ -79,6 +79,7 @@ def llama3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainCon
                 num_query_groups=8,
                 ffn_hidden_size=14336,
                 normalization="RMSNorm",
+                gated_mlp=True,
                 max_sequence_length=8192,
                 dtype="bfloat16",
             ),
@@ -106,6 +107,7 @@ def qwen2_7b_grpo_cp(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
                 num_query_groups=4,
                 ffn_hidden_size=18944,
                 normalization="RMSNorm",
+                gated_mlp=True,
                 max_sequence_length=32768,
                 dtype="bfloat16",
             ),
@@ -137,6 +139,7 @@ def llama3_70b_sft_long_context(num_nodes: int = 8, gpus_per_node: int = 8) -> T
                 num_query_groups=8,
                 ffn_hidden_size=28672,
                 normalization="RMSNorm",
+                gated_mlp=True,
                 max_sequence_length=32768,
                 dtype="bfloat16",
             ),

@@ -20,72 +20,22 @@ lcm(4, CP*TP) = 4 (each CP rank's T/CP tokens must split evenly over TP ranks).
     loss_mask             1 where the next token is a target; 0 on each last real token and on padding
 
 The per-sequence multiple is only what CP needs (times any user alignment). Sequence parallelism only
-needs the *total* to divide by CP*TP, so it is met by padding the last span, not every sequence.
+needs the *total* to divide by CP*TP, so it is met by padding the last span, not every sequence
+(`mcore_packing.planning.PaddingRule` holds both multiples).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
-__all__ = ["PackedBatch", "PaddingRule", "SequenceSample", "build_packed_batch", "samples_from_padded", "unpack"]
+from ..data.sample import SequenceSample
+from ..planning.padding import PaddingRule
 
-
-@dataclass(frozen=True, kw_only=True)
-class PaddingRule:
-    """How much each sequence and the whole packed row are padded.
-
-    Attributes:
-        cp_size: context-parallel size; > 1 cuts every sequence into 2*cp_size equal chunks.
-        tp_size: tensor-parallel size.
-        sequence_parallel: Megatron sequence parallelism (splits the packed row over TP ranks).
-        sequence_length_round: extra per-sequence alignment (NeMo-RL's ``sequence_length_round``).
-        fp8_alignment: per-sequence alignment for FP8 GEMMs (e.g. 16); 1 when FP8 is off.
-    """
-
-    cp_size: int = 1
-    tp_size: int = 1
-    sequence_parallel: bool = False
-    sequence_length_round: int = 1
-    fp8_alignment: int = 1
-
-    def __post_init__(self):
-        for name in ("cp_size", "tp_size", "sequence_length_round", "fp8_alignment"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"PaddingRule.{name} must be an integer >= 1, got {value!r}.")
-
-    @property
-    def sequence_multiple(self) -> int:
-        """Every padded span is a multiple of this: 2*CP (if CP > 1) times the user alignment."""
-        cp_factor = 2 * self.cp_size if self.cp_size > 1 else 1
-        return cp_factor * math.lcm(self.sequence_length_round, self.fp8_alignment)
-
-    @property
-    def total_multiple(self) -> int:
-        """The packed row length T is a multiple of this (adds CP*TP when sequence parallel)."""
-        sp_factor = self.cp_size * self.tp_size if self.sequence_parallel and self.tp_size > 1 else 1
-        return math.lcm(self.sequence_multiple, sp_factor)
-
-    def padded_length(self, length: int) -> int:
-        m = self.sequence_multiple
-        return -(-length // m) * m
-
-
-@dataclass(frozen=True)
-class SequenceSample:
-    """One training sequence: token ids, and optionally which tokens are targets (1) or not (0).
-
-    ``loss_mask[j]`` says whether token ``j`` is learned (e.g. 0 on the prompt, 1 on the response).
-    Position ``j`` predicts token ``j + 1``, so the packed loss mask at ``j`` is ``loss_mask[j + 1]``.
-    """
-
-    tokens: torch.Tensor | np.ndarray | Sequence[int]
-    loss_mask: torch.Tensor | np.ndarray | Sequence[float] | None = None
+__all__ = ["PackedBatch", "build_packed_batch", "samples_from_padded", "unpack"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,7 +58,6 @@ class PackedBatch:
     sample_ids: tuple[int, ...]
     cp_size: int = 1
     cp_rank: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_sequences(self) -> int:
@@ -143,6 +92,22 @@ def _as_long_1d(values, what: str, index: int) -> torch.Tensor:
     return t.to(torch.long)
 
 
+def _checked_samples(samples: Sequence[SequenceSample], ids: tuple[int, ...]):
+    """Each sample's tokens (int64) and loss mask (float32, ones when absent), or a ValueError naming it."""
+    token_list, mask_list = [], []
+    for i, sample in enumerate(samples):
+        tokens = _as_long_1d(sample.tokens, "tokens", ids[i])
+        if sample.loss_mask is None:
+            mask = torch.ones(tokens.numel(), dtype=torch.float32)
+        else:
+            mask = torch.as_tensor(np.asarray(sample.loss_mask), dtype=torch.float32).reshape(-1)
+            if mask.numel() != tokens.numel():
+                raise ValueError(f"sample {ids[i]}: loss_mask has {mask.numel()} entries for {tokens.numel()} tokens.")
+        token_list.append(tokens)
+        mask_list.append(mask)
+    return token_list, mask_list
+
+
 def build_packed_batch(
     samples: Sequence[SequenceSample],
     rule: PaddingRule | None = None,
@@ -168,18 +133,7 @@ def build_packed_batch(
     if len(ids) != len(samples):
         raise ValueError(f"sample_ids has {len(ids)} entries for {len(samples)} samples.")
 
-    token_list, mask_list = [], []
-    for i, sample in enumerate(samples):
-        tokens = _as_long_1d(sample.tokens, "tokens", ids[i])
-        if sample.loss_mask is None:
-            mask = torch.ones(tokens.numel(), dtype=torch.float32)
-        else:
-            mask = torch.as_tensor(np.asarray(sample.loss_mask), dtype=torch.float32).reshape(-1)
-            if mask.numel() != tokens.numel():
-                raise ValueError(f"sample {ids[i]}: loss_mask has {mask.numel()} entries for {tokens.numel()} tokens.")
-        token_list.append(tokens)
-        mask_list.append(mask)
-
+    token_list, mask_list = _checked_samples(samples, ids)
     lengths = [t.numel() for t in token_list]
     padded = [rule.padded_length(n) for n in lengths]
     total = sum(padded)

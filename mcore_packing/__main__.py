@@ -1,0 +1,37 @@
+"""``python -m mcore_packing <command>`` (or the ``mcore-packing`` script): the command-line entry point.
+
+    python -m mcore_packing train [--recipe NAME] [--dry-run] [hydra overrides]   train or check a config
+    python -m mcore_packing plan  [--lengths FILE | --jsonl FILE | --corpus NAME]  plan your data, no torch
+
+Each command's ``--help`` lists its options. Only the chosen command's module is imported, so ``plan``
+starts without torch or megatron-core.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("mcore_packing.app.train_command", "train (or --dry-run) the Hydra config or a --recipe"),
+    "plan": ("mcore_packing.app.plan_command", "plan a data set as training would and report the savings"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        usage = "\n".join(f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items())
+        stream = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
+        print(f"usage: python -m mcore_packing <command> [args]\n\ncommands:\n{usage}", file=stream)
+        if argv[:1] in (["-h"], ["--help"]):
+            return 0
+        if argv:
+            print(f"\nunknown command {argv[0]!r}; use one of: {', '.join(COMMANDS)}.", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    return module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

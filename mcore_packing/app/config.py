@@ -1,0 +1,325 @@
+"""The trainer's structured configuration: one dataclass per Hydra group, each validated when it is built.
+
+Groups (YAML in ``hydra_configs/<group>/``): model, data, sequence_packing, dynamic_batching, parallel,
+training, logging, cluster. Keys of ``sequence_packing`` and ``dynamic_batching`` are NeMo-RL's. The same
+dataclasses are registered in Hydra's ConfigStore (schemas); the defaults list lives in YAML.
+
+Each group checks its own keys in ``__post_init__`` (`ConfigError` naming ``group.key`` and the fix);
+`validate_layout` checks what spans groups or needs the world size; `plan_config` is the one
+translation from this config to the planner's `StepPlanConfig` (through `StepPlanConfig.from_sections`,
+the same path NeMo-RL configs take). Hydra accepts ``+new.key=...`` on structured configs without a
+word, so `check_unknown_keys` rejects keys that no dataclass declares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..planning import BALANCES, ORDERS, CostModel, ModelShape, StepPlanConfig
+from ..validators import require_choice, require_positive_int
+
+__all__ = [
+    "ClusterConfig",
+    "ConfigError",
+    "DataConfig",
+    "DynamicBatchingConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "SequencePackingConfig",
+    "TrainConfig",
+    "TrainingConfig",
+    "check_data_fits",
+    "check_unknown_keys",
+    "plan_config",
+    "register_configs",
+    "to_train_config",
+    "validate_layout",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration mistake; the message names the key and the fix."""
+
+
+def _positive(group: str, obj, *names: str, allow_none: bool = False) -> None:
+    for name in names:
+        require_positive_int(f"{group}.{name}", getattr(obj, name), allow_none=allow_none, error=ConfigError)
+
+
+def _choice(group: str, obj, name: str, choices) -> None:
+    require_choice(f"{group}.{name}", getattr(obj, name), choices, error=ConfigError)
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    normalization: str = "LayerNorm"
+    gated_mlp: bool = False  # SwiGLU MLP (Llama, Qwen); false: GELU
+    max_sequence_length: int = 4096
+    dtype: str = "float32"  # float32 | bfloat16
+    attention_backend: str = "auto"  # auto | te | local
+
+    def __post_init__(self):
+        _choice("model", self, "dtype", ("float32", "bfloat16"))
+        _choice("model", self, "attention_backend", ("auto", "te", "local"))
+        self.shape(vocab_size=1)  # the shape's own checks, named model.<key>
+
+    def shape(self, vocab_size: int) -> ModelShape:
+        """The model's `ModelShape` with the data's vocabulary size."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape) if f.name != "vocab_size"}
+        try:
+            return ModelShape(vocab_size=vocab_size, **fields)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+@dataclass
+class DataConfig:
+    source: str = "champ"  # champ (bundled CHAMP conversations) | jsonl
+    path: str | None = None  # JSONL file for source=jsonl
+    text_field: str = "text"  # JSONL field holding the text
+    encoding: str = "qwen3"  # quicktok bundled vocabulary
+    vocab_size: int = 4096  # compact vocabulary: most frequent tokens + <unk>
+    num_samples: int | None = 512  # use the first N samples (None: all)
+    long_samples: str = "split"  # split | drop | error, for samples above max_sample_tokens
+    max_sample_tokens: int = 2048
+    learn_prompt: bool = False  # CHAMP: also learn System/User turns
+
+    def __post_init__(self):
+        _choice("data", self, "source", ("champ", "jsonl"))
+        _choice("data", self, "long_samples", ("split", "drop", "error"))
+        _positive("data", self, "vocab_size", "max_sample_tokens")
+        _positive("data", self, "num_samples", allow_none=True)
+        if self.source == "jsonl" and not self.path:
+            raise ConfigError("data.source=jsonl needs data.path=/path/to/file.jsonl (one JSON object per line).")
+
+
+@dataclass
+class SequencePackingConfig:
+    enabled: bool = True
+    train_mb_tokens: int = 4096
+    logprob_mb_tokens: int | None = None
+    algorithm: str = "modified_first_fit_decreasing"
+    refine: bool | None = None  # bin-count refinement after packing; null: the algorithm's default (on for MFFD)
+    microbatch_order: str = "packer"  # packer | largest_first | bubble
+    sequence_length_round: int = 1
+    cost_budget: Any = None  # None | "auto" | a number: also cap each row's attention-aware cost
+
+    def __post_init__(self):
+        _positive("sequence_packing", self, "train_mb_tokens", "sequence_length_round")
+        _positive("sequence_packing", self, "logprob_mb_tokens", allow_none=True)
+        _choice("sequence_packing", self, "microbatch_order", ORDERS)
+
+
+@dataclass
+class DynamicBatchingConfig:
+    enabled: bool = False
+    train_mb_tokens: int = 4096
+    logprob_mb_tokens: int | None = None
+    sequence_length_round: int = 1
+
+    def __post_init__(self):
+        _positive("dynamic_batching", self, "train_mb_tokens", "sequence_length_round")
+        _positive("dynamic_batching", self, "logprob_mb_tokens", allow_none=True)
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    sequence_parallel: bool = False
+    variable_seq_lengths: bool = False
+    make_sequence_length_divisible_by: int | None = None  # NeMo-RL's key; must suit CP/TP
+
+    def __post_init__(self):
+        _positive("parallel", self, "tp", "pp", "cp")
+        _positive("parallel", self, "make_sequence_length_divisible_by", allow_none=True)
+        if self.sequence_parallel and self.tp == 1:
+            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits tokens over TP ranks).")
+        cp_multiple = 2 * self.cp if self.cp > 1 else 1
+        divisible_by = self.make_sequence_length_divisible_by
+        if divisible_by is not None and divisible_by % cp_multiple:
+            required = cp_multiple * (self.tp if self.sequence_parallel else 1)
+            raise ConfigError(
+                f"parallel.make_sequence_length_divisible_by={divisible_by} is incompatible with parallel.cp="
+                f"{self.cp}: every sequence is cut into 2*cp={cp_multiple} chunks. Use a multiple of {cp_multiple} "
+                f"(or leave it unset: the minimal multiple, {required}, is derived automatically)."
+            )
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+@dataclass
+class TrainingConfig:
+    global_batch_size: int = 32
+    steps: int = 20
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    seed: int = 1234
+    loss_normalization: str = "token_mean"  # token_mean | sequence_mean
+    padded_micro_batch_rows: int = 4  # rows per micro-batch when neither packing nor dynamic batching is on
+    balance: str = "cost"  # cost (attention-aware) | tokens | round_robin: micro-batches to DP ranks
+    save_interval: int = 0  # steps between checkpoints (0: only at the end)
+    checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
+
+    def __post_init__(self):
+        _positive("training", self, "global_batch_size", "steps", "padded_micro_batch_rows")
+        _choice("training", self, "loss_normalization", ("token_mean", "sequence_mean"))
+        _choice("training", self, "balance", BALANCES)
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 1
+    progress_bar: bool = True
+    tensorboard: bool = False
+    metrics_file: str = "metrics.jsonl"
+
+    def __post_init__(self):
+        _positive("logging", self, "log_interval")
+
+
+@dataclass
+class ClusterConfig:
+    backend: str = "auto"  # auto | gloo | nccl
+    num_nodes: int = 1
+    gpus_per_node: int = 1
+
+    def __post_init__(self):
+        _choice("cluster", self, "backend", ("auto", "gloo", "nccl"))
+        _positive("cluster", self, "num_nodes", "gpus_per_node")
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
+    dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    run_name: str = "sft"
+    run_dir: str = "outputs/local/sft"
+    resume: bool = False
+
+
+GROUPS = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "sequence_packing": SequencePackingConfig,
+    "dynamic_batching": DynamicBatchingConfig,
+    "parallel": ParallelConfig,
+    "training": TrainingConfig,
+    "logging": LoggingConfig,
+    "cluster": ClusterConfig,
+}
+
+
+def validate_layout(cfg: TrainConfig, world_size: int) -> int:
+    """Checks that span groups or need the world size; returns the data-parallel size."""
+    par = cfg.parallel
+    if world_size % par.model_parallel_size:
+        raise ConfigError(
+            f"World size {world_size} does not factor into parallel.tp x parallel.pp x parallel.cp x DP = "
+            f"{par.tp} x {par.pp} x {par.cp} x DP. Launch a multiple of {par.model_parallel_size} ranks, or change "
+            "tp/pp/cp."
+        )
+    if par.pp > 1 and cfg.dynamic_batching.enabled and not par.variable_seq_lengths:
+        raise ConfigError(
+            "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "
+            "have different shapes."
+        )
+    return world_size // par.model_parallel_size
+
+
+def plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None) -> StepPlanConfig:
+    """The step planner's config for this run (the one config -> plan translation). Without packing or
+    dynamic batching, ``padded`` mode sized to hold ``padded_micro_batch_rows`` of the longest samples."""
+    par, training = cfg.parallel, cfg.training
+    rows = training.padded_micro_batch_rows
+    padded = {
+        "train_mb_tokens": max(cfg.sequence_packing.train_mb_tokens, cfg.data.max_sample_tokens * rows),
+        "padded_rows": rows,
+    }
+    shape = cfg.model.shape(vocab_size or cfg.data.vocab_size)
+    try:
+        return StepPlanConfig.from_sections(
+            sequence_packing=asdict(cfg.sequence_packing),
+            dynamic_batching=asdict(cfg.dynamic_batching),
+            padded=padded,
+            sequence_length_divisible_by=par.make_sequence_length_divisible_by,
+            balance=training.balance,
+            cost_model=CostModel.from_shape(shape),
+            dp_size=dp,
+            tp_size=par.tp,
+            pp_size=par.pp,
+            cp_size=par.cp,
+            sequence_parallel=par.sequence_parallel,
+            fixed_length=False if par.variable_seq_lengths else None,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def check_data_fits(cfg: TrainConfig, plan: StepPlanConfig, lengths) -> None:
+    """The budget must hold the longest (padded) sample of the data set: say so before training starts."""
+    section = {"packing": "sequence_packing", "dynamic": "dynamic_batching"}.get(plan.mode)
+    if section is None:  # padded mode is sized from data.max_sample_tokens
+        return
+    try:
+        plan.check_fits(lengths, key=f"{section}.train_mb_tokens", fix="lower data.max_sample_tokens")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (``<group>/schema`` and ``train_schema``)."""
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="train_schema", node=TrainConfig)
+    for group, cls in GROUPS.items():
+        cs.store(group=group, name="schema", node=cls)
+
+
+def check_unknown_keys(cfg: Any, schema: type = TrainConfig, prefix: str = "") -> None:
+    """Raise `ConfigError` for any key of ``cfg`` (a DictConfig or dict) that ``schema`` does not declare."""
+    from omegaconf import DictConfig, OmegaConf
+
+    mapping = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
+    known = {f.name: f for f in dataclasses.fields(schema)}
+    for key, value in mapping.items():
+        if key == "hydra":
+            continue
+        name = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(
+                f"Unknown config key {name!r}. Valid keys here: {sorted(known)}. Check the spelling; Hydra's '+' "
+                "prefix adds keys that nothing reads."
+            )
+        sub = GROUPS.get(key) if not prefix else None
+        if sub is not None and isinstance(value, dict):
+            check_unknown_keys(value, sub, f"{name}.")
+
+
+def to_train_config(cfg: Any) -> TrainConfig:
+    """A validated `TrainConfig` from a DictConfig/dict: unknown keys and bad values raise `ConfigError`."""
+    from omegaconf import DictConfig, OmegaConf
+
+    check_unknown_keys(cfg)
+    mapping = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    mapping.pop("hydra", None)
+    parts = {key: GROUPS[key](**mapping.pop(key)) for key in list(mapping) if key in GROUPS}
+    return TrainConfig(**parts, **mapping)

@@ -1,0 +1,131 @@
+"""`MetricsLogger`: one record per step to the console, ``metrics.jsonl`` and (optionally) TensorBoard.
+
+Each record has the loss, tokens/s, useful vs computed tokens, micro-batches per rank, the rank balance
+of tokens and of attention-aware cost, and the step time next to the time a cost model calibrated on the
+earlier steps predicted for it. Only rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from ..planning import CostModel, StepPlan
+from .config import ConfigError, TrainConfig
+
+__all__ = ["MetricsLogger"]
+
+log = logging.getLogger("mcore_packing.train")
+
+_TENSORBOARD_KEYS = (
+    "loss",
+    "tokens_per_s",
+    "utilization",
+    "microbatches_per_rank",
+    "rank_cost_max_over_mean",
+    "predicted_step_time_s",
+    "step_time_s",
+)
+
+
+class MetricsLogger:
+    """Per-step metrics of one run (see the module docstring)."""
+
+    def __init__(self, cfg: TrainConfig, rank: int):
+        self.enabled = rank == 0
+        self.total_steps = cfg.training.steps
+        self.log_interval = cfg.logging.log_interval
+        self.path = Path(cfg.run_dir) / cfg.logging.metrics_file
+        self.history: list[tuple[list[int], float]] = []  # (lengths of the slowest rank, measured seconds)
+        self.writer = _tensorboard(Path(cfg.run_dir)) if cfg.logging.tensorboard and self.enabled else None
+        self.progress = _Progress(self.total_steps, cfg.logging.progress_bar and self.enabled)
+
+    def log_step(self, step: int, plan: StepPlan, outcome, batch_ids: list[int]) -> dict:
+        """Build the step's record (on every rank) and write it (rank 0)."""
+        stats = plan.stats()
+        slowest = max(plan.micro_batches, key=lambda rank: sum(mb.cost for mb in rank))
+        slowest_lengths = [plan.lengths[i] for mb in slowest for i in mb.sample_indices]
+        predicted = _predict_seconds(self.history, slowest_lengths)
+        self.history.append((slowest_lengths, outcome.seconds))
+        record = {
+            "step": step,
+            "loss": outcome.result.loss,
+            "tokens_per_s": stats["real_tokens"] / outcome.seconds,
+            "useful_tokens": stats["real_tokens"],
+            "padded_tokens": stats["padded_tokens"],
+            "utilization": stats["utilization"],
+            "microbatches_per_rank": stats["num_microbatches_per_rank"],
+            "rank_tokens_max_over_mean": stats["rank_tokens_max_over_mean"],
+            "rank_cost_max_over_mean": stats["rank_cost_max_over_mean"],
+            "predicted_step_time_s": predicted,
+            "step_time_s": outcome.seconds,
+            "sample_ids": batch_ids,
+        }
+        if self.enabled:
+            self._write(record)
+        return record
+
+    def _write(self, record: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        step = record["step"]
+        if step % self.log_interval == 0:
+            log.info("step %d/%d loss %s", step, self.total_steps, _console_text(record))
+        if self.writer is not None:
+            for key in _TENSORBOARD_KEYS:
+                if record[key] is not None:
+                    self.writer.add_scalar(f"train/{key}", record[key], step)
+        self.progress.update(step, f"loss {record['loss']:.3f}")
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _console_text(r: dict) -> str:
+    text = f"{r['loss']:.4f}"
+    if r["predicted_step_time_s"] is not None:
+        text += f" | step {r['step_time_s']:.2f}s (predicted {r['predicted_step_time_s']:.2f}s)"
+    return (
+        f"{text} | rank cost max/mean {r['rank_cost_max_over_mean']:.3f} | {r['tokens_per_s']:.0f} tok/s | useful "
+        f"{r['useful_tokens']} / computed {r['padded_tokens']} tokens ({100 * r['utilization']:.1f}%) | "
+        f"{r['microbatches_per_rank']} micro-batches/rank"
+    )
+
+
+def _tensorboard(run_dir: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        raise ConfigError("logging.tensorboard=true needs the tensorboard package: pip install tensorboard.") from exc
+    return SummaryWriter(str(run_dir / "tensorboard"))
+
+
+def _predict_seconds(history, lengths) -> float | None:
+    """Step time predicted by a cost model calibrated on the earlier steps (the first, a warm-up, is left
+    out), once three of them exist; None before that."""
+    if len(history) < 4:
+        return None
+    model = CostModel.calibrate([h[0] for h in history[1:]], [h[1] for h in history[1:]])
+    return float(model.sequence_cost(lengths).sum())
+
+
+class _Progress:
+    """A one-line progress bar on a terminal (logs stay clean when stderr is not one)."""
+
+    def __init__(self, total: int, enabled: bool):
+        self.total, self.enabled, self.start = total, enabled and sys.stderr.isatty(), time.time()
+
+    def update(self, step: int, text: str) -> None:
+        if not self.enabled:
+            return
+        width = 30
+        done = int(width * step / self.total)
+        elapsed = time.time() - self.start
+        sys.stderr.write(f"\r[{'#' * done}{'.' * (width - done)}] {step}/{self.total} {elapsed:5.0f}s {text}")
+        sys.stderr.flush()
+        if step == self.total:
+            sys.stderr.write("\n")

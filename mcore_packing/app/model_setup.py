@@ -1,0 +1,106 @@
+"""Setting up a run: torch.distributed, Megatron's parallel state, the model and its optimizer.
+
+`setup_training` is the one place the trainer builds these, so swapping the optimizer (or how the model
+is made) touches only this module.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from .config import TrainConfig
+
+__all__ = ["TrainingSetup", "default_device", "device_context", "init_distributed", "setup_training"]
+
+
+@dataclass
+class TrainingSetup:
+    """What a training loop needs: the (DDP-wrapped) model, its trainable parameters, the optimizer, the
+    process groups and the device."""
+
+    model: object
+    params: list
+    optimizer: object
+    groups: object
+    device: object
+    rank: int
+    world_size: int
+
+
+def init_distributed(backend: str = "auto") -> None:
+    """Start torch.distributed (a world of one for a plain ``python -m``; torchrun's env otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def default_device():
+    """This rank's CUDA device when there is one (after `init_distributed` set it), else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def device_context(device):
+    """The context Megatron code runs in: the CPU device adapter on a CPU, nothing on a GPU."""
+    import contextlib
+
+    from ..megatron import cpu_device_adapter
+
+    return cpu_device_adapter() if device.type == "cpu" else contextlib.nullcontext()
+
+
+def setup_training(cfg: TrainConfig, vocab_size: int) -> TrainingSetup:
+    """Distributed start, parallel groups, the GPTModel for ``cfg.model`` and an AdamW over its parameters.
+    Call inside `device_context`."""
+    import torch
+    import torch.distributed as dist
+
+    from ..megatron import ParallelGroups, build_gpt_model, initialize_parallel
+
+    par = cfg.parallel
+    init_distributed(cfg.cluster.backend)
+    initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, seed=cfg.training.seed)
+    device = default_device()
+    model, _ = build_gpt_model(
+        cfg.model.shape(vocab_size),
+        tp=par.tp,
+        pp=par.pp,
+        cp=par.cp,
+        sequence_parallel=par.sequence_parallel,
+        variable_seq_lengths=par.variable_seq_lengths,
+        dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+        attention_backend=cfg.model.attention_backend,
+        seed=cfg.training.seed,
+        device=device,
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    return TrainingSetup(
+        model=model,
+        params=params,
+        optimizer=optimizer,
+        groups=ParallelGroups.from_megatron(),
+        device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+    )

@@ -1,0 +1,122 @@
+"""``python -m mcore_packing train``: train (or check) a config: the Hydra defaults or a recipe.
+
+    python -m mcore_packing train                                      # packed tiny GPT on CHAMP (CPU ok)
+    python -m mcore_packing train sequence_packing.enabled=false dynamic_batching.enabled=true
+    torchrun --nproc_per_node 2 -m mcore_packing train parallel.cp=2
+    python -m mcore_packing train resume=true training.steps=40        # continue at the next sample
+    python -m mcore_packing train --recipe llama3_8b_sft_packed --num-nodes 2 --gpus-per-node 8 --dry-run
+
+Arguments other than the flags below are Hydra overrides (``parallel.tp=2``, ``data=jsonl``; ``+key=..``
+is rejected when nothing reads it). Without ``--recipe`` the config comes from ``hydra_configs/`` through
+``hydra.main`` (Hydra's run folder and logs, rank 0 only); with ``--recipe`` from the recipe function,
+with the same override grammar. ``--dry-run`` validates for the config's cluster size and prints the plan
+of the first global batch without torch or a GPU. Config errors exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import ConfigError, TrainConfig, register_configs, to_train_config
+from .recipes import RECIPES
+
+__all__ = ["compose_config", "main"]
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "hydra_configs")
+
+
+def compose_config(
+    recipe: str | None, overrides: list[str], *, num_nodes: int | None = None, gpus_per_node: int | None = None
+) -> TrainConfig:
+    """The recipe's config (or the ``hydra_configs`` defaults) with Hydra overrides applied."""
+    from hydra import compose, initialize, initialize_config_dir
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    register_configs()
+    GlobalHydra.instance().clear()
+    if recipe is None:
+        context, name = initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"), "config"
+    else:
+        if recipe not in RECIPES:
+            raise ConfigError(f"Unknown recipe {recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
+        kwargs = {k: v for k, v in {"num_nodes": num_nodes, "gpus_per_node": gpus_per_node}.items() if v is not None}
+        ConfigStore.instance().store(name=f"recipe_{recipe}", node=OmegaConf.structured(RECIPES[recipe](**kwargs)))
+        context, name = initialize(version_base="1.3", config_path=None), f"recipe_{recipe}"
+    with context:
+        try:
+            raw = compose(config_name=name, overrides=overrides)
+        except Exception as exc:  # Hydra's own override errors (bad grammar, unknown key without '+')
+            raise ConfigError(f"Cannot apply overrides {overrides}: {exc}") from None
+    return to_train_config(raw)
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="python -m mcore_packing train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--recipe", help=f"start from a recipe: {', '.join(sorted(RECIPES))}")
+    parser.add_argument("--num-nodes", type=int, default=None, help="with --recipe: nodes the recipe plans for")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="with --recipe: GPUs per node")
+    parser.add_argument("--dry-run", action="store_true", help="validate and print the first step's plan; no training")
+    return parser.parse_known_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .trainer import dry_run, quiet_megatron_on_cpu, train
+
+    args, overrides = _parse(sys.argv[1:] if argv is None else argv)
+    quiet_megatron_on_cpu()
+    if args.recipe is None and not args.dry_run:
+        return _hydra_main(overrides)
+    try:
+        cfg = compose_config(args.recipe, overrides, num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node)
+        if args.dry_run:
+            print(json.dumps(dry_run(cfg), indent=1))
+            what = f"recipe {args.recipe}" if args.recipe else "the default config"
+            nodes, gpus = cfg.cluster.num_nodes, cfg.cluster.gpus_per_node
+            print(f"dry run OK: {what} is valid for {nodes} node(s) x {gpus} GPU(s)")
+            return 0
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+        _report(train(cfg))
+        return 0
+    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _hydra_main(overrides: list[str]) -> int:
+    """Train through ``hydra.main`` (Hydra's run folder, config snapshot and log file on rank 0)."""
+    import hydra
+    from omegaconf import DictConfig
+
+    from .trainer import quiet_megatron_on_cpu, train
+
+    register_configs()
+    if os.environ.get("RANK", "0") != "0":  # only rank 0 writes Hydra's run folder and logs
+        overrides = [*overrides, "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+
+    @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
+    def _main(raw: DictConfig) -> None:
+        quiet_megatron_on_cpu()  # Hydra's job logging was just configured
+        try:
+            _report(train(to_train_config(raw)))
+        except ConfigError as exc:
+            print(f"config error: {exc}", file=sys.stderr)
+            sys.exit(2)
+
+    sys.argv = [sys.argv[0], *overrides]
+    _main()
+    return 0
+
+
+def _report(summary: dict) -> None:
+    if summary["losses"] and summary["rank"] == 0:
+        print(f"final loss {summary['losses'][-1]:.4f} (first {summary['losses'][0]:.4f})", flush=True)

@@ -1,0 +1,142 @@
+"""The training loop, wired from parts with one job each.
+
+    data      = load_data(cfg)                         samples + vocabulary (`mcore_packing.data.sft`)
+    plan cfg  = config.plan_config(cfg, dp)            the one config -> planner translation
+    setup     = model_setup.setup_training(cfg, vocab) distributed, model, optimizer
+    each step: sampler.next_batch -> plan_step -> step.train_step -> metrics.log_step -> checkpointer
+
+Every rank loads the same samples, draws the same global batch from a seeded sampler, plans it
+identically (no communication) and runs only its share. `dry_run` does everything up to the plan of the
+first global batch, without torch or Megatron.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from ..data.sft import SftData, load_sft_data
+from ..planning import StepPlanConfig, plan_step
+from .checkpoint import Checkpointer
+from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
+from .global_batches import GlobalBatchSampler
+from .metrics import MetricsLogger
+from .model_setup import default_device, device_context, setup_training
+from .step import train_step
+
+__all__ = ["RunInputs", "dry_run", "load_data", "prepare_run", "quiet_megatron_on_cpu", "train"]
+
+log = logging.getLogger("mcore_packing.train")
+
+
+def load_data(cfg: TrainConfig) -> SftData:
+    """The run's samples; data problems (a missing file or field) are config errors (exit 2)."""
+    try:
+        return load_sft_data(**asdict(cfg.data))
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"data: {exc}") from None
+
+
+@dataclass(frozen=True)
+class RunInputs:
+    """What a run needs before any torch or Megatron: the data-parallel size, the planner config, the
+    samples and their lengths."""
+
+    dp: int
+    step_config: StepPlanConfig
+    data: SftData
+    lengths: list[int]
+
+
+def prepare_run(cfg: TrainConfig, world_size: int) -> RunInputs:
+    """Every check that needs no Megatron, in the order a user fixes them (errors come in a second)."""
+    dp = validate_layout(cfg, world_size)
+    step_config = plan_config(cfg, dp)
+    if cfg.resume:
+        Checkpointer(cfg, rank=0).latest()
+    data = load_data(cfg)
+    lengths = [len(s) for s in data.samples]
+    check_data_fits(cfg, step_config, lengths)
+    GlobalBatchSampler(len(lengths), cfg.training.global_batch_size, cfg.training.seed)  # batch <= data set
+    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run training; returns a summary with the step losses (the same on every rank)."""
+    inputs = prepare_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    step_config, data, lengths = inputs.step_config, inputs.data, inputs.lengths
+    sampler = GlobalBatchSampler(len(data.samples), cfg.training.global_batch_size, cfg.training.seed)
+    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": step_config.mode}
+    with device_context(default_device()):
+        setup = setup_training(cfg, data.vocab_size)
+        _announce(cfg, setup, data, step_config.mode)
+        summary["rank"] = setup.rank
+        checkpointer = Checkpointer(cfg, setup.rank)
+        start = checkpointer.load_latest(setup, sampler) if cfg.resume else 0
+        metrics = MetricsLogger(cfg, setup.rank)
+        for step in range(start + 1, cfg.training.steps + 1):
+            batch_ids = sampler.next_batch()
+            plan = plan_step([lengths[i] for i in batch_ids], step_config)
+            samples = [data.samples[i] for i in batch_ids]
+            outcome = train_step(setup, samples, plan, normalization=cfg.training.loss_normalization)
+            metrics.log_step(step, plan, outcome, batch_ids)
+            summary["losses"].append(outcome.result.loss)
+            summary["steps"].append(step)
+            summary["sample_ids"].append(batch_ids)
+            if checkpointer.due(step, cfg.training.steps):
+                checkpointer.save(step, setup, sampler)
+        metrics.close()
+    return summary
+
+
+def _announce(cfg: TrainConfig, setup, data: SftData, mode: str) -> None:
+    groups = setup.groups
+    if setup.rank == 0:
+        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
+        log.info("rank %d/%d on %s; data: %s", setup.rank, setup.world_size, setup.device, json.dumps(data.info))
+    print(
+        f"[rank {setup.rank}/{setup.world_size}] host={os.uname().nodename} dp={groups.dp_rank}/{groups.dp_size} "
+        f"cp={groups.cp_rank}/{groups.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode}",
+        flush=True,
+    )
+
+
+def dry_run(cfg: TrainConfig) -> dict:
+    """Validate for the config's cluster size and plan the first global batch; no GPU, no torch."""
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    inputs = prepare_run(cfg, world)
+    sampler = GlobalBatchSampler(len(inputs.lengths), cfg.training.global_batch_size, cfg.training.seed)
+    batch = [inputs.lengths[i] for i in sampler.next_batch()]
+    plan = plan_step(batch, inputs.step_config)
+    par = cfg.parallel
+    return {
+        "world_size": world,
+        "layout": {
+            "tp": par.tp,
+            "pp": par.pp,
+            "cp": par.cp,
+            "dp": inputs.dp,
+            "sequence_parallel": par.sequence_parallel,
+        },
+        "mode": inputs.step_config.mode,
+        "row_capacity_tokens": plan.row_capacity,
+        "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r) // par.cp,
+        "data": inputs.data.info,
+        "first_global_batch": {"samples": len(batch), "tokens": sum(batch), **plan.stats()},
+    }
+
+
+def quiet_megatron_on_cpu() -> None:
+    """Megatron logs every DDP bucket at INFO and warns that TE/Apex are absent; neither helps a user here."""
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    for pattern in (
+        ".*Transformer Engine and Apex are not installed.*",
+        ".*Apex is not installed.*",
+        ".*full scope is deprecated.*",
+        ".*torch.jit.script_method.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)

@@ -1,0 +1,179 @@
+"""This rank's micro-batches as tensors: the plan's samples -> THD rows or BSHD rows, split for CP.
+
+`prepare_micro_batch` builds one `PreparedMicroBatch`: a packed THD row with its ``PackedSeqParams``
+(packing mode) or padded BSHD rows (dynamic and padded modes), each cut to this CP rank's chunks, with
+the per-token loss weights of `thd.token_weights`. `per_sample_logprobs` is the one way back: the
+model's per-token losses of a micro-batch, CP shards gathered (differentiably), split into each
+sample's log-probs and loss mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+
+from ..data.sample import SequenceSample
+from ..planning.step_plan import MicroBatchPlan, StepPlan
+from ..thd.context_parallel import (
+    gather_bshd_from_cp,
+    gather_from_cp,
+    slice_bshd_for_cp,
+    slice_for_cp,
+    thd_partition_indices,
+)
+from ..thd.loss_weights import LossNormalization, StepTotals, token_weights
+from ..thd.packed_batch import PackedBatch, build_packed_batch
+from .packed_seq import to_packed_seq_params
+from .parallel_groups import ParallelGroups
+
+__all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "prepare_micro_batch"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PreparedMicroBatch:
+    """One micro-batch on this rank. Token tensors are this CP rank's part; the ``full_*`` fields and
+    ``packed`` describe the whole micro-batch before the CP split (for gathering outputs)."""
+
+    plan: MicroBatchPlan
+    tokens: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    weights: torch.Tensor | None  # per-token loss weights w_t (None in forward-only passes)
+    packed_seq_params: object | None  # THD only
+    packed: PackedBatch | None  # THD only: the whole packed row
+    sample_ids: tuple[int, ...]
+    real_lengths: tuple[int, ...]
+    full_loss_mask: torch.Tensor  # [T] (THD) or [rows, width] (BSHD)
+    local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
+
+
+def prepare_micro_batch(
+    mb: MicroBatchPlan,
+    samples: Sequence[SequenceSample],
+    plan: StepPlan,
+    groups: ParallelGroups,
+    *,
+    totals: StepTotals | None,
+    normalization: LossNormalization | str,
+    device: torch.device,
+    pad_token_id: int = 0,
+) -> PreparedMicroBatch:
+    """Build ``mb``'s tensors for this rank (see the module docstring)."""
+    chosen = [samples[i] for i in mb.sample_indices]
+    prepare = _prepare_thd if plan.config.mode == "packing" else _prepare_bshd
+    return prepare(mb, chosen, plan, groups, totals, normalization, device, pad_token_id)
+
+
+def _prepare_thd(mb, chosen, plan, groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:
+    config = plan.config
+    batch = build_packed_batch(
+        chosen,
+        config.padding_rule,
+        sample_ids=mb.sample_indices,
+        pad_to=mb.shape[1] if config.use_fixed_length else None,
+        pad_token_id=pad_token_id,
+    )
+    assert batch.total_tokens == mb.shape[1], f"planned row {mb.shape[1]} != built row {batch.total_tokens}"
+    weights = None
+    if totals is not None:
+        weights = token_weights(batch.loss_mask[0], list(batch.padded_lengths), normalization, totals)[None]
+    index = None
+    if groups.cp_size > 1:
+        index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, groups.cp_size, groups.cp_rank)
+        weights = weights[:, index] if weights is not None else None
+    local = slice_for_cp(batch, groups.cp_size, groups.cp_rank, index=index)
+    return PreparedMicroBatch(
+        plan=mb,
+        tokens=local.tokens.to(device),
+        position_ids=local.position_ids.to(device),
+        labels=local.labels.to(device),
+        loss_mask=local.loss_mask.to(device),
+        weights=weights.to(device) if weights is not None else None,
+        packed_seq_params=to_packed_seq_params(local, device=device, cp_group=groups.cp),
+        packed=batch,
+        sample_ids=batch.sample_ids,
+        real_lengths=batch.seq_lengths,
+        full_loss_mask=batch.loss_mask[0].to(device),
+        local_valid_tokens=int(local.loss_mask.sum().item()),
+    )
+
+
+def _prepare_bshd(mb, chosen, plan, groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:
+    rows, width = mb.shape
+    # Each BSHD row is a one-sequence packed row padded to the micro-batch width (same label shift).
+    built = [build_packed_batch([s], pad_to=width, pad_token_id=pad_token_id) for s in chosen]
+    loss_mask = torch.cat([b.loss_mask for b in built])
+    weights = None
+    if totals is not None:
+        weights = token_weights(loss_mask.reshape(-1), [width] * rows, normalization, totals).reshape(rows, width)
+    split = partial(slice_bshd_for_cp, cp_size=groups.cp_size, cp_rank=groups.cp_rank, seq_dim=1)
+    local_mask = split(loss_mask)
+    return PreparedMicroBatch(
+        plan=mb,
+        tokens=split(torch.cat([b.tokens for b in built])).to(device),
+        position_ids=split(torch.arange(width).expand(rows, width)).contiguous().to(device),
+        labels=split(torch.cat([b.labels for b in built])).to(device),
+        loss_mask=local_mask.to(device),
+        weights=split(weights).to(device) if weights is not None else None,
+        packed_seq_params=None,
+        packed=None,
+        sample_ids=mb.sample_indices,
+        real_lengths=tuple(b.seq_lengths[0] for b in built),
+        full_loss_mask=loss_mask.to(device),
+        local_valid_tokens=int(local_mask.sum().item()),
+    )
+
+
+def per_sample_logprobs(
+    prep: PreparedMicroBatch, output_tensor: torch.Tensor, groups: ParallelGroups
+) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """``[(sample_id, logprobs, loss_mask), ...]`` for the micro-batch's samples in row order.
+
+    ``output_tensor`` holds this rank's per-token losses (Megatron's output with labels), so log-probs are
+    their negation. CP shards are all-gathered (differentiable: the gather's backward sums over the CP
+    group, then keeps this rank's part). A sample of ``n`` tokens gets ``n - 1`` values: position ``j``
+    scores token ``j + 1``.
+    """
+    logprobs = -output_tensor.float()
+    if prep.packed is not None:
+        flat = logprobs.reshape(-1)
+        if groups.cp_size > 1:
+            flat = gather_from_cp(flat, prep.packed, groups.cp)
+        spans = list(prep.packed.padded_lengths)
+        rows, masks = torch.split(flat, spans), torch.split(prep.full_loss_mask, spans)
+    else:
+        rows = gather_bshd_from_cp(logprobs, groups.cp, seq_dim=1) if groups.cp_size > 1 else logprobs
+        masks = prep.full_loss_mask
+    return [
+        (sample, row[: max(n - 1, 0)], mask[: max(n - 1, 0)])
+        for sample, row, mask, n in zip(prep.sample_ids, rows, masks, prep.real_lengths, strict=True)
+    ]
+
+
+def local_step_counts(
+    plan: StepPlan, samples: Sequence[SequenceSample], groups: ParallelGroups, group_ids: Sequence | None = None
+) -> tuple[int, int]:
+    """Valid target tokens, and loss units (sequences with a target, or groups), in this DP rank's share.
+
+    Counted whole-sample on CP rank 0 and 0 on other CP ranks, so a sum over DP x CP counts each once.
+    """
+    if groups.cp_rank != 0:
+        return 0, 0
+    tokens = 0
+    units = set()
+    for mb in plan.for_rank(groups.dp_rank):
+        for i in mb.sample_indices:
+            s = samples[i]
+            n = len(s.tokens)
+            mask = torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.float32)
+            valid = int(mask.reshape(-1)[1:].sum().item())  # targets are tokens 1..n-1
+            tokens += valid
+            if group_ids is not None:
+                units.add(group_ids[i])
+            elif valid > 0:
+                units.add(i)
+    return tokens, len(units)

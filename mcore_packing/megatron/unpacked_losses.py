@@ -1,0 +1,60 @@
+"""Losses computed per sequence or per group on the unpacked view of a packed micro-batch.
+
+`run_step(sequence_loss=fn)` calls ``fn(logprobs, loss_mask)`` once per sequence, `run_step(group_loss=
+fn)` calls ``fn(members)`` once per group (DPO pairs, GRPO groups); both see exactly the log-probs an
+unpacked forward would give (`prepare.per_sample_logprobs`). Each returns this rank's share of the step
+loss: the sum divided by the global number of sequences (or groups) and by CP, because every CP rank
+holds the same gathered values and the gather's backward adds their gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..thd.loss_weights import StepTotals
+from .parallel_groups import ParallelGroups
+from .prepare import PreparedMicroBatch, per_sample_logprobs
+
+__all__ = ["group_loss_sum", "sequence_loss_sum"]
+
+
+def _check_scalar(value, what: str, unit: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"{what} must return a scalar (0-d) tensor for each {unit}, got {shape}; reduce over the tokens "
+            "inside the function (e.g. .sum() or .mean())."
+        )
+    return value
+
+
+def sequence_loss_sum(
+    prep: PreparedMicroBatch, output: torch.Tensor, fn: Callable, groups: ParallelGroups, totals: StepTotals
+) -> torch.Tensor:
+    """``fn`` on every sequence with at least one target; this rank's share of (sum / S)."""
+    total = output.new_zeros((), dtype=torch.float32)
+    for _, logprobs, mask in per_sample_logprobs(prep, output, groups):
+        if mask.numel() and mask.sum() > 0:
+            total = total + _check_scalar(fn(logprobs, mask), "sequence_loss", "sequence")
+    return total / (totals.num_sequences * groups.cp_size)
+
+
+def group_loss_sum(
+    prep: PreparedMicroBatch,
+    output: torch.Tensor,
+    fn: Callable,
+    group_ids: Sequence,
+    groups: ParallelGroups,
+    totals: StepTotals,
+) -> torch.Tensor:
+    """``fn(members)`` once per group of the micro-batch, ``members`` = ``[(sample_id, logprobs,
+    loss_mask), ...]`` in sample order; this rank's share of (sum / number of groups)."""
+    members: dict = {}
+    for item in per_sample_logprobs(prep, output, groups):
+        members.setdefault(group_ids[item[0]], []).append(item)
+    total = output.new_zeros((), dtype=torch.float32)
+    for items in members.values():
+        total = total + _check_scalar(fn(sorted(items, key=lambda item: item[0])), "group_loss", "group")
+    return total / (totals.num_sequences * groups.cp_size)

@@ -1,0 +1,42 @@
+"""Planning: the lengths of a global batch -> micro-batches per data-parallel rank, and their cost.
+
+numpy only; never imports torch, so a login node can plan (and `python -m mcore_packing plan` can run)
+without a GPU stack. Modules, in the order the data flows through them:
+
+- `padding`: `PaddingRule`, the per-sequence and per-row multiples that CP/TP/SP/FP8 need.
+- `model_shape`: `ModelShape`, the one description of a model's dimensions.
+- `cost_model`: `CostModel`, a*s + b*s^2 per sequence from a shape, or calibrated from step times.
+- `step_config`: `StepPlanConfig` (NeMo-RL keys), its one translation from config sections and its one
+  budget check.
+- `balance`: micro-batches to DP ranks by cost with equal counts; orders within a rank.
+- `step_plan`: `plan_step` -> `StepPlan` of `MicroBatchPlan`s.
+- `report`: a whole data set planned batch by batch (`summarize`, `recommend_budget`).
+"""
+
+from .balance import BALANCES, ORDERS, assign_balanced, assign_round_robin, max_over_mean, order_microbatches
+from .cost_model import CostModel
+from .model_shape import ModelShape
+from .padding import PaddingRule
+from .report import recommend_budget, summarize
+from .step_config import MODES, StepPlanConfig
+from .step_plan import MicroBatchPlan, StepPlan, micro_batch_cost, plan_step
+
+__all__ = [
+    "BALANCES",
+    "MODES",
+    "ORDERS",
+    "CostModel",
+    "MicroBatchPlan",
+    "ModelShape",
+    "PaddingRule",
+    "StepPlan",
+    "StepPlanConfig",
+    "assign_balanced",
+    "assign_round_robin",
+    "max_over_mean",
+    "micro_batch_cost",
+    "order_microbatches",
+    "plan_step",
+    "recommend_budget",
+    "summarize",
+]

@@ -1,0 +1,72 @@
+"""`ModelShape`: the one description of a GPT's dimensions.
+
+The same object sizes the cost model (`CostModel.from_shape`), builds Megatron's ``TransformerConfig``
+(`mcore_packing.megatron.build_gpt_model`), and is what the planner CLI and the Hydra ``model`` group
+turn into. Plain data, no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..validators import require_choice, require_positive_int
+
+__all__ = ["NORMALIZATIONS", "ModelShape"]
+
+NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Dimensions of a decoder-only transformer.
+
+    Attributes:
+        num_layers: transformer layers.
+        hidden_size: model width.
+        num_attention_heads: query heads.
+        num_query_groups: key/value heads (grouped-query attention); None means one per query head.
+        ffn_hidden_size: MLP width; None means 4 x hidden_size.
+        vocab_size: vocabulary size (before any padding to a TP multiple).
+        max_sequence_length: longest sequence the RoPE tables must cover.
+        normalization: ``LayerNorm`` or ``RMSNorm``.
+        gated_mlp: SwiGLU-style gated MLP (three matrices, SiLU) as in Llama and Qwen; False is the
+            two-matrix GELU MLP.
+    """
+
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: int | None = None
+    ffn_hidden_size: int | None = None
+    vocab_size: int = 1024
+    max_sequence_length: int = 4096
+    normalization: str = "LayerNorm"
+    gated_mlp: bool = False
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
+            require_positive_int(f"model.{name}", getattr(self, name))
+        for name in ("num_query_groups", "ffn_hidden_size"):
+            require_positive_int(f"model.{name}", getattr(self, name), allow_none=True)
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                f"{self.num_attention_heads}; pick a head count that divides the width."
+            )
+        if self.num_query_groups is not None and self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_attention_heads={self.num_attention_heads} is not a multiple of num_query_groups="
+                f"{self.num_query_groups}; every key/value head must serve the same number of query heads."
+            )
+        require_choice("model.normalization", self.normalization, NORMALIZATIONS)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def ffn_size(self) -> int:
+        return self.ffn_hidden_size or 4 * self.hidden_size
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,56 @@
+"""How much each sequence and each packed row are padded, from the parallel layout (plain arithmetic).
+
+Worked example: CP=2, TP=2 with sequence parallelism. Each sequence is cut into 2*CP equal chunks, so
+``sequence_multiple`` = 4; each CP rank's T/CP tokens must split evenly over TP ranks, so the packed
+row length T is a multiple of ``total_multiple`` = lcm(4, CP*TP) = 4. Lengths [5, 3, 8] pad to spans
+[8, 4, 8]. Only the last span absorbs the row padding (`thd.build_packed_batch`), so sequence
+parallelism never pads every sequence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..validators import require_positive_int
+
+__all__ = ["PaddingRule"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PaddingRule:
+    """How much each sequence and the whole packed row are padded.
+
+    Attributes:
+        cp_size: context-parallel size; > 1 cuts every sequence into 2*cp_size equal chunks.
+        tp_size: tensor-parallel size.
+        sequence_parallel: Megatron sequence parallelism (splits the packed row over TP ranks).
+        sequence_length_round: extra per-sequence alignment (NeMo-RL's ``sequence_length_round``).
+        fp8_alignment: per-sequence alignment for FP8 GEMMs (e.g. 16); 1 when FP8 is off.
+    """
+
+    cp_size: int = 1
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    sequence_length_round: int = 1
+    fp8_alignment: int = 1
+
+    def __post_init__(self):
+        for name in ("cp_size", "tp_size", "sequence_length_round", "fp8_alignment"):
+            require_positive_int(f"PaddingRule.{name}", getattr(self, name))
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Every padded span is a multiple of this: 2*CP (if CP > 1) times the user alignment."""
+        cp_factor = 2 * self.cp_size if self.cp_size > 1 else 1
+        return cp_factor * math.lcm(self.sequence_length_round, self.fp8_alignment)
+
+    @property
+    def total_multiple(self) -> int:
+        """The packed row length T is a multiple of this (adds CP*TP when sequence parallel)."""
+        sp_factor = self.cp_size * self.tp_size if self.sequence_parallel and self.tp_size > 1 else 1
+        return math.lcm(self.sequence_multiple, sp_factor)
+
+    def padded_length(self, length: int) -> int:
+        m = self.sequence_multiple
+        return -(-length // m) * m

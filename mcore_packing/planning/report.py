@@ -1,0 +1,160 @@
+"""The plan report: plan a whole data set global batch by global batch, exactly as training would, and
+aggregate what packing does to it. numpy only (the planning CLI, `mcore_packing.app.plan_command`,
+prints it and draws the figure).
+
+- `summarize`: efficiency, bins against the lower bound ceil(tokens / capacity), micro-batches per rank,
+  per-rank imbalance of tokens and of attention-aware cost, padding and compute saved against
+  pad-to-longest and pad-to-capacity.
+- `recommend_budget`: the smallest ``train_mb_tokens`` whose fill is within one point of the best tried.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from .cost_model import CostModel
+from .step_config import StepPlanConfig
+from .step_plan import plan_step
+
+__all__ = ["recommend_budget", "summarize"]
+
+
+@dataclass
+class _Tally:
+    """Running sums over the planned global batches."""
+
+    dp: int
+    planned_tokens: int = 0
+    planned_cost: float = 0.0
+    padded_tokens: int = 0
+    padded_cost: float = 0.0
+    lower_bound: int = 0
+    micro_batches: int = 0
+    token_imbalance: list = field(default_factory=list)
+    cost_imbalance: list = field(default_factory=list)
+    fills: list = field(default_factory=list)
+    rank_tokens: np.ndarray = None
+    rank_cost: np.ndarray = None
+
+    def __post_init__(self):
+        self.rank_tokens = np.zeros(self.dp)
+        self.rank_cost = np.zeros(self.dp)
+
+    def add(self, batch: np.ndarray, config: StepPlanConfig, padded_rows: int, model: CostModel) -> None:
+        plan = plan_step(batch, config)
+        capacity = plan.row_capacity
+        self.lower_bound += -(-int(batch.sum()) // capacity)
+        tokens = np.array([sum(mb.padded_tokens for mb in rank) for rank in plan.micro_batches], dtype=np.float64)
+        costs = np.asarray(plan.rank_costs())
+        for rank in plan.micro_batches:
+            for mb in rank:
+                real = int(batch[np.asarray(mb.sample_indices)].sum())
+                # Packing: how full the row capacity is; padded layouts: real / computed tokens.
+                self.fills.append(real / (capacity if config.mode == "packing" else mb.padded_tokens))
+        self.micro_batches += plan.num_microbatches * config.dp_size
+        self.planned_tokens += int(tokens.sum())
+        self.planned_cost += float(costs.sum())
+        self.token_imbalance.append(tokens.max() / tokens.mean())
+        self.cost_imbalance.append(costs.max() / costs.mean())
+        self.rank_tokens += tokens
+        self.rank_cost += costs
+        t, c = _padded_cost(batch, padded_rows, model, config.cp_size)
+        self.padded_tokens += t
+        self.padded_cost += c
+
+
+def _padded_cost(lengths: np.ndarray, rows: int, model: CostModel, cp: int) -> tuple[int, float]:
+    """Tokens and cost of pad-to-longest micro-batches of ``rows`` consecutive sequences."""
+    starts = np.arange(0, lengths.size, rows)
+    width = np.maximum.reduceat(lengths, starts).astype(np.float64)
+    count = np.diff(np.append(starts, lengths.size)).astype(np.float64)
+    tokens = int((width * count).sum())
+    cost = float((count * (model.linear * width + model.quadratic * width * width)).sum()) / cp
+    return tokens, cost
+
+
+def summarize(
+    lengths: np.ndarray,
+    config: StepPlanConfig,
+    *,
+    global_batch_size: int,
+    padded_rows: int,
+    model: CostModel,
+    progress: bool = False,
+) -> dict:
+    """Plan every global batch of ``lengths`` (data order; 0 = one batch) and aggregate the statistics.
+
+    ``model`` prices the pad-to-longest baseline and the real work; the plan's micro-batches are priced
+    by ``config.cost_model`` (pass the same model in both for comparable numbers).
+    """
+    step = global_batch_size if global_batch_size > 0 else lengths.size
+    starts = range(0, lengths.size, step)
+    show = progress and len(starts) >= 200 and sys.stderr.isatty()
+    tally = _Tally(dp=config.dp_size)
+    began = time.time()
+    for k, lo in enumerate(starts):
+        tally.add(lengths[lo : lo + step], config, padded_rows, model)
+        if show and (k % 50 == 0 or k == len(starts) - 1):
+            sys.stderr.write(f"\rplanning global batches: {k + 1}/{len(starts)} ({time.time() - began:4.1f}s)")
+            sys.stderr.write("\n" if k == len(starts) - 1 else "")
+    return _summary(lengths, config, model, tally, len(starts))
+
+
+def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _Tally, num_batches: int) -> dict:
+    real = int(lengths.sum())
+    capacity = config.row_capacity()
+    pad_to_capacity = lengths.size * capacity
+    return {
+        "num_global_batches": num_batches,
+        "micro_batches": t.micro_batches,
+        "micro_batches_per_rank_per_step": t.micro_batches / num_batches / config.dp_size,
+        "lower_bound": t.lower_bound,
+        "packing_efficiency": t.lower_bound / t.micro_batches if t.micro_batches else 1.0,
+        "useful_share_planned": real / t.planned_tokens,
+        "capacity_fill": real / (t.micro_batches * capacity) if t.micro_batches else 1.0,
+        "useful_share_pad_to_longest": real / t.padded_tokens,
+        "useful_share_pad_to_capacity": real / pad_to_capacity,
+        "padding_saved_vs_pad_to_longest": 1 - (t.planned_tokens - real) / max(t.padded_tokens - real, 1),
+        "padding_saved_vs_pad_to_capacity": 1 - (t.planned_tokens - real) / max(pad_to_capacity - real, 1),
+        "compute_saved_linear_only": 1 - t.planned_tokens / t.padded_tokens,
+        "compute_saved_with_attention": 1 - t.planned_cost / t.padded_cost,
+        "attention_share_of_real_work": model.attention_share(lengths),
+        "rank_token_imbalance_mean": float(np.mean(t.token_imbalance)),
+        "rank_token_imbalance_worst": float(np.max(t.token_imbalance)),
+        "rank_cost_imbalance_mean": float(np.mean(t.cost_imbalance)),
+        "rank_cost_imbalance_worst": float(np.max(t.cost_imbalance)),
+        "real_cost": float(model.sequence_cost(lengths, config.cp_size).sum()),
+        "_fills": t.fills,
+        "_rank_tokens": t.rank_tokens.tolist(),
+        "_rank_cost": t.rank_cost.tolist(),
+    }
+
+
+def recommend_budget(lengths: np.ndarray, base: StepPlanConfig, global_batch_size: int, model: CostModel) -> dict:
+    """Try budgets from the longest padded sample up to 4x it and pick the smallest one that is within one
+    point of the best tried: for packing the fill of the row capacity (real tokens / micro-batches x
+    capacity), for dynamic batching the useful share of computed tokens. Larger budgets mean fewer,
+    bigger micro-batches (less per-micro-batch overhead) and more activation memory."""
+    longest = int(base.padded_lengths(lengths).max())
+    floor = -(-longest // base.cp_size)
+    candidates = sorted({-(-int(floor * f) // 256) * 256 for f in (1, 1.25, 1.5, 2, 3, 4)})
+    sample = lengths[: max(global_batch_size, 1) * 20] if global_batch_size > 0 else lengths
+    key = "capacity_fill" if base.mode == "packing" else "useful_share_planned"
+    rows = []
+    for budget in candidates:
+        cfg = replace(base, train_mb_tokens=budget)
+        s = summarize(sample, cfg, global_batch_size=global_batch_size, padded_rows=4, model=model)
+        rows.append(
+            {
+                "train_mb_tokens": budget,
+                "score": s[key],
+                "micro_batches_per_rank_per_step": s["micro_batches_per_rank_per_step"],
+            }
+        )
+    best = max(r["score"] for r in rows)
+    pick = next(r for r in rows if r["score"] >= best - 0.01)
+    return {"recommended_train_mb_tokens": pick["train_mb_tokens"], "criterion": key, "candidates": rows}

@@ -1,0 +1,223 @@
+"""`StepPlanConfig`: how one global batch becomes micro-batches, and the checks every caller shares.
+
+One translation from NeMo-RL-style sections (``sequence_packing`` / ``dynamic_batching`` dicts) to a
+config, `StepPlanConfig.from_sections`, serves both `from_nemo_rl` and the trainer. One budget check,
+`StepPlanConfig.check_fits`, serves the planner, the trainer's start-up check and the planning CLI.
+
+Budgets are per GPU. ``train_mb_tokens`` is what one rank processes in one micro-batch; with context
+parallelism a micro-batch's packed row (or padded rows) holds ``train_mb_tokens * cp`` tokens and each
+CP rank gets ``train_mb_tokens`` of them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..packing import DEFAULT_ALGORITHM, get_packer
+from ..validators import require_choice, require_positive_int, require_positive_number
+from .balance import BALANCES, ORDERS
+from .cost_model import CostModel
+from .padding import PaddingRule
+
+__all__ = ["MODES", "StepPlanConfig"]
+
+MODES = ("packing", "dynamic", "padded")
+"""``packing``: whole sequences in THD rows; ``dynamic``: similar lengths in padded BSHD rows;
+``padded``: the baseline, ``padded_rows`` consecutive samples padded to their longest."""
+
+_SECTION_KEYS = {
+    "sequence_packing": {
+        "enabled",
+        "train_mb_tokens",
+        "logprob_mb_tokens",
+        "sequence_length_round",
+        "algorithm",
+        "refine",
+        "microbatch_order",
+        "cost_budget",
+    },
+    "dynamic_batching": {"enabled", "train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"},
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepPlanConfig:
+    """How one global batch becomes micro-batches.
+
+    Attributes:
+        mode: one of `MODES`.
+        train_mb_tokens: tokens one rank processes per training micro-batch (per GPU, after the CP split).
+        logprob_mb_tokens: the same for forward-only passes (log-probs); defaults to ``train_mb_tokens``.
+        algorithm: packing algorithm (packing mode).
+        refine: bin-count refinement after packing (`get_packer`'s ``refine``); None is the algorithm's
+            default (on for modified_first_fit_decreasing).
+        microbatch_order: one of `ORDERS`: ``packer``, ``largest_first`` or ``bubble``.
+        sequence_length_round: per-sequence length alignment (NeMo-RL's key).
+        dp_size, tp_size, pp_size, cp_size, sequence_parallel: the parallel layout.
+        fp8_alignment: per-sequence alignment for FP8 (16), 1 when off.
+        fixed_length: packing mode: pad every row to the full ``train_mb_tokens * cp`` (PP without
+            variable sequence lengths needs one shape). Default: on when ``pp_size > 1``.
+        padded_rows: rows per micro-batch in ``padded`` mode.
+        balance: one of `BALANCES`: ``cost`` (attention-aware `cost_model`, LPT + swaps), ``tokens``
+            (the same on padded tokens), ``round_robin`` (NeMo-RL's, for comparison).
+        cost_model: per-sequence cost; None counts tokens (no attention term).
+        cost_budget: packing only: also cap each row's cost (in `cost_model` units), or ``"auto"`` for
+            5% above the mean row cost of token-only packing, so rows are even in work.
+    """
+
+    mode: str = "packing"
+    train_mb_tokens: int = 4096
+    logprob_mb_tokens: int | None = None
+    algorithm: str = DEFAULT_ALGORITHM.value
+    refine: bool | None = None
+    microbatch_order: str = "packer"
+    sequence_length_round: int = 1
+    dp_size: int = 1
+    tp_size: int = 1
+    pp_size: int = 1
+    cp_size: int = 1
+    sequence_parallel: bool = False
+    fp8_alignment: int = 1
+    fixed_length: bool | None = None
+    padded_rows: int = 4
+    balance: str = "cost"
+    cost_model: CostModel | None = None
+    cost_budget: float | str | None = None
+
+    def __post_init__(self):
+        require_choice("mode", self.mode, MODES)
+        require_choice("microbatch_order", self.microbatch_order, ORDERS)
+        require_choice("balance", self.balance, BALANCES)
+        for name in ("train_mb_tokens", "sequence_length_round", "dp_size", "tp_size", "pp_size", "cp_size"):
+            require_positive_int(name, getattr(self, name))
+        for name in ("fp8_alignment", "padded_rows"):
+            require_positive_int(name, getattr(self, name))
+        require_positive_int("logprob_mb_tokens", self.logprob_mb_tokens, allow_none=True)
+        if self.cost_budget is not None:
+            if self.cost_budget != "auto":
+                require_positive_number("cost_budget", self.cost_budget)  # or 'auto', or None
+            if self.mode != "packing":
+                raise ValueError("cost_budget caps the cost of packed rows: it needs mode='packing'.")
+        get_packer(self.algorithm, 1, refine=self.refine)  # raises on an unknown algorithm or a bad `refine`
+        if self.mode != "packing" and self.fixed_length:
+            raise ValueError("fixed_length applies to packing mode; dynamic micro-batches are padded per batch.")
+
+    @classmethod
+    def from_sections(
+        cls,
+        *,
+        sequence_packing: dict | None = None,
+        dynamic_batching: dict | None = None,
+        padded: dict | None = None,
+        sequence_length_divisible_by: int | None = None,
+        **layout,
+    ) -> StepPlanConfig:
+        """The config for NeMo-RL-style sections: the enabled one of ``sequence_packing`` and
+        ``dynamic_batching`` (keys: enabled, train_mb_tokens, logprob_mb_tokens, sequence_length_round;
+        packing adds algorithm, refine, microbatch_order, cost_budget). With neither enabled, ``padded``
+        (fields for ``mode="padded"``) is used, or it is an error when ``padded`` is None.
+        ``sequence_length_divisible_by`` (NeMo-RL's ``make_sequence_length_divisible_by``) joins the
+        section's ``sequence_length_round``; ``layout`` takes the remaining fields (``dp_size``, ...).
+        Errors name the section."""
+        sections = {"sequence_packing": dict(sequence_packing or {}), "dynamic_batching": dict(dynamic_batching or {})}
+        enabled = [name for name, section in sections.items() if section.get("enabled")]
+        if len(enabled) == 2:
+            raise ValueError(
+                "sequence_packing.enabled and dynamic_batching.enabled are both true. They are two ways to cut "
+                "the same batch: packing concatenates whole sequences into THD rows (least padding, needs THD "
+                "attention), dynamic batching groups similar lengths into padded rows. Set one of them to false."
+            )
+        if not enabled and padded is None:
+            raise ValueError("Neither sequence_packing.enabled nor dynamic_batching.enabled is true; enable one.")
+        name = enabled[0] if enabled else "padded"
+        fields = dict(padded or {}) if not enabled else _section_fields(name, sections[name])
+        divisible = sequence_length_divisible_by or 1
+        fields["sequence_length_round"] = math.lcm(fields.get("sequence_length_round", 1), divisible)
+        mode = {"sequence_packing": "packing", "dynamic_batching": "dynamic"}.get(name, "padded")
+        try:
+            return cls(mode=mode, **fields, **layout)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
+    @classmethod
+    def from_nemo_rl(
+        cls, *, sequence_packing: dict | None = None, dynamic_batching: dict | None = None, **layout
+    ) -> StepPlanConfig:
+        """Build from NeMo-RL's ``policy.sequence_packing`` / ``policy.dynamic_batching`` sections
+        (`from_sections` without a padded fallback)."""
+        return cls.from_sections(sequence_packing=sequence_packing, dynamic_batching=dynamic_batching, **layout)
+
+    @property
+    def padding_rule(self) -> PaddingRule:
+        return PaddingRule(
+            cp_size=self.cp_size,
+            tp_size=self.tp_size,
+            sequence_parallel=self.sequence_parallel,
+            sequence_length_round=self.sequence_length_round,
+            fp8_alignment=self.fp8_alignment,
+        )
+
+    @property
+    def use_fixed_length(self) -> bool:
+        return self.mode == "packing" and (self.fixed_length if self.fixed_length is not None else self.pp_size > 1)
+
+    def budget(self, forward_only: bool = False) -> tuple[str, int]:
+        """The name and value of the per-GPU token budget that applies."""
+        if forward_only and self.logprob_mb_tokens is not None:
+            return "logprob_mb_tokens", self.logprob_mb_tokens
+        return "train_mb_tokens", self.train_mb_tokens
+
+    @property
+    def length_multiple(self) -> int:
+        """Sequences are padded to this: the THD span multiple, or in dynamic mode the BSHD row multiple
+        (sequence parallelism splits each row's CP shard over TP ranks)."""
+        rule = self.padding_rule
+        if self.mode != "packing" and self.sequence_parallel and self.tp_size > 1:
+            return math.lcm(rule.sequence_multiple, self.cp_size * self.tp_size)
+        return rule.sequence_multiple
+
+    def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
+        """``lengths`` rounded up to `length_multiple`."""
+        multiple = self.length_multiple
+        return -(-np.asarray(lengths, dtype=np.int64) // multiple) * multiple
+
+    def row_capacity(self, forward_only: bool = False) -> int:
+        """Tokens in one micro-batch before the CP split, rounded down to the row multiple."""
+        _, budget = self.budget(forward_only)
+        multiple = self.padding_rule.total_multiple if self.mode == "packing" else self.length_multiple
+        return (budget * self.cp_size) // multiple * multiple
+
+    def check_fits(
+        self, lengths, *, forward_only: bool = False, key: str | None = None, fix: str = "split or drop them upstream"
+    ) -> None:
+        """Raise ValueError when a (padded) sample is longer than one micro-batch holds.
+
+        The one budget check: the planner calls it per batch, the trainer once on the whole data set
+        (``key`` names its config key), the planning CLI on the file it reads. The message counts the
+        samples that do not fit, names the longest and the smallest budget that holds it.
+        """
+        lengths = np.asarray(lengths, dtype=np.int64)
+        capacity = self.row_capacity(forward_only)
+        padded = self.padded_lengths(lengths)
+        too_long = padded > capacity
+        if not too_long.any():
+            return
+        name, budget = self.budget(forward_only)
+        key = key or name
+        i = int(np.argmax(padded))
+        raise ValueError(
+            f"{int(too_long.sum())} of {lengths.size} samples are longer than a micro-batch ({capacity} tokens = "
+            f"{key} {budget} x cp {self.cp_size}); the longest is sample {i} with {int(lengths[i])} tokens "
+            f"({int(padded[i])} padded). Raise {key} to at least {-(-int(padded[i]) // self.cp_size)}, raise cp, "
+            f"or {fix}."
+        )
+
+
+def _section_fields(name: str, section: dict) -> dict:
+    unknown = set(section) - _SECTION_KEYS[name]
+    if unknown:
+        raise ValueError(f"Unknown key(s) {sorted(unknown)} in {name}; valid keys: {sorted(_SECTION_KEYS[name])}.")
+    return {k: v for k, v in section.items() if k != "enabled" and v is not None}

@@ -1,0 +1,282 @@
+"""Step planner: the lengths of one global batch -> ordered micro-batches for every data-parallel rank.
+
+Every rank calls `plan_step` on the same inputs and gets the same plan, with no communication (numpy
+only); `mcore_packing.megatron.verify_plan_across_ranks` turns a disagreement into an error instead of a
+hang.
+
+Modes (`StepPlanConfig.mode`):
+- ``packing``: sequences (padded to ``PaddingRule.sequence_multiple``) are bin-packed into rows of
+  ``train_mb_tokens * cp`` tokens, the bin count a multiple of DP (groups kept whole; optionally under
+  a per-row cost cap).
+- ``dynamic``: samples sorted by length (longest first) are cut into micro-batches of similar lengths
+  while ``rows * padded_length <= train_mb_tokens * cp``; micro-batches with the most rows are split
+  until their count is a multiple of DP.
+- ``padded``: the baseline most loaders use: ``padded_rows`` consecutive samples per micro-batch, each
+  padded to its longest.
+
+Then every micro-batch gets its predicted cost (`CostModel`, per CP rank), micro-batches go to DP ranks
+with equal counts (`balance`: by cost, by tokens, or round-robin), and each rank's list is put in
+``microbatch_order`` (``packer``, ``largest_first`` or ``bubble``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from ..packing import cost_capped_first_fit, get_packer
+from ..packing.validation import as_lengths
+from .balance import assign_balanced, assign_round_robin, max_over_mean, order_microbatches
+from .cost_model import CostModel
+from .step_config import StepPlanConfig
+
+__all__ = ["MicroBatchPlan", "StepPlan", "micro_batch_cost", "plan_step"]
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """One micro-batch: the global-batch indices of its samples and its padded shape.
+
+    ``shape`` is ``(1, row_length)`` in packing mode (the whole THD row, before the CP split) and
+    ``(rows, padded_length)`` in dynamic mode.
+    """
+
+    sample_indices: tuple[int, ...]
+    shape: tuple[int, int]
+    real_tokens: int
+    cost: float = 0.0
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """Micro-batches per DP rank (equal counts), and how to get back to input order.
+
+    ``groups`` holds the group id of every sample when the plan was made with groups (DPO pairs, GRPO
+    groups), else None; it is part of equality and of the fingerprint.
+    """
+
+    config: StepPlanConfig
+    forward_only: bool
+    lengths: tuple[int, ...]
+    micro_batches: tuple[tuple[MicroBatchPlan, ...], ...]
+    row_capacity: int
+    groups: tuple | None = None
+
+    @property
+    def num_microbatches(self) -> int:
+        return len(self.micro_batches[0]) if self.micro_batches else 0
+
+    def for_rank(self, dp_rank: int) -> tuple[MicroBatchPlan, ...]:
+        return self.micro_batches[dp_rank]
+
+    def sample_order(self) -> np.ndarray:
+        """Input indices in plan order: DP rank 0's micro-batches first, in order, then rank 1's, ..."""
+        return np.asarray([i for rank in self.micro_batches for mb in rank for i in mb.sample_indices], dtype=np.int64)
+
+    def inverse_permutation(self) -> np.ndarray:
+        """``inverse[i]`` is the position of input sample ``i`` in `sample_order` (restores input order)."""
+        order = self.sample_order()
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        return inverse
+
+    def fingerprint(self) -> str:
+        """A hash of the inputs and the plan; equal on every rank that planned the same step."""
+        payload = {
+            "config": asdict(self.config),
+            "forward_only": self.forward_only,
+            "lengths": list(self.lengths),
+            "groups": [str(g) for g in self.groups or []],
+            "micro_batches": [[(mb.sample_indices, mb.shape) for mb in rank] for rank in self.micro_batches],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
+
+    def rank_costs(self) -> list[float]:
+        """Predicted cost of each DP rank's micro-batches (the slowest sets the step time)."""
+        return [sum(mb.cost for mb in rank) for rank in self.micro_batches]
+
+    def stats(self) -> dict:
+        real = sum(mb.real_tokens for rank in self.micro_batches for mb in rank)
+        padded = sum(mb.padded_tokens for rank in self.micro_batches for mb in rank)
+        per_rank = [sum(mb.padded_tokens for mb in rank) for rank in self.micro_batches]
+        per_rank_cost = self.rank_costs()
+        return {
+            "rank_cost_max_over_mean": max_over_mean(per_rank_cost),
+            "predicted_step_cost": max(per_rank_cost) if per_rank_cost else 0.0,
+            "num_microbatches_per_rank": self.num_microbatches,
+            "real_tokens": real,
+            "padded_tokens": padded,
+            "utilization": real / padded if padded else 1.0,
+            "rank_tokens_max_over_mean": max_over_mean(per_rank),
+        }
+
+
+def plan_step(
+    lengths: Sequence[int] | np.ndarray,
+    config: StepPlanConfig,
+    *,
+    forward_only: bool = False,
+    groups: Sequence | None = None,
+) -> StepPlan:
+    """Plan one global batch (see the module docstring).
+
+    ``groups``: optional group id per sample (DPO chosen/rejected pairs, GRPO responses to one prompt).
+    Samples of a group always share a micro-batch, so a group is never split across micro-batches or
+    ranks. Packing mode only.
+    """
+    lengths = as_lengths(lengths, np.iinfo(np.int64).max)
+    if lengths.size == 0:
+        raise ValueError("the global batch is empty; a step needs at least one sample.")
+    config.check_fits(lengths, forward_only=forward_only)
+    capacity = config.row_capacity(forward_only)
+    padded = config.padded_lengths(lengths)
+    model = config.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
+    units = _units(groups, lengths.size, padded, capacity, config)
+    if config.mode == "packing":
+        bins, shapes = _plan_packing(padded, capacity, config, units, model)
+    elif config.mode == "dynamic":
+        bins, shapes = _plan_dynamic(lengths, padded, capacity, config)
+    else:
+        bins, shapes = _plan_padded(lengths, padded, config)
+    micro = [
+        MicroBatchPlan(
+            tuple(int(i) for i in b),
+            shape,
+            int(lengths[np.asarray(b)].sum()),
+            micro_batch_cost(padded[np.asarray(b)], shape, config.mode, config.cp_size, model),
+        )
+        for b, shape in zip(bins, shapes, strict=True)
+    ]
+    return StepPlan(
+        config=config,
+        forward_only=forward_only,
+        lengths=tuple(int(x) for x in lengths),
+        micro_batches=_assign_and_order(micro, config),
+        row_capacity=capacity,
+        groups=tuple(groups) if groups is not None else None,
+    )
+
+
+def _assign_and_order(micro: list[MicroBatchPlan], config: StepPlanConfig) -> tuple[tuple[MicroBatchPlan, ...], ...]:
+    """Micro-batches to DP ranks (equal counts, by `config.balance`), each rank's in `microbatch_order`."""
+    assert len(micro) % config.dp_size == 0, f"{len(micro)} micro-batches do not split over {config.dp_size} ranks"
+    if config.balance == "round_robin":
+        assignment = assign_round_robin(len(micro), config.dp_size)
+    else:
+        weights = [mb.cost if config.balance == "cost" else mb.padded_tokens for mb in micro]
+        assignment = assign_balanced(weights, config.dp_size)
+    per_rank = []
+    for rank in assignment:
+        chosen = [micro[k] for k in rank]
+        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order)
+        per_rank.append(tuple(chosen[k] for k in order))
+    return tuple(per_rank)
+
+
+def micro_batch_cost(padded_lengths, shape: tuple[int, int], mode: str, cp_size: int, model: CostModel) -> float:
+    """Predicted cost of one micro-batch on one CP rank: attention per sequence in packing mode (the row's
+    padding counts as part of its last span), ``rows`` sequences of the padded width otherwise."""
+    if mode == "packing":
+        spans = np.asarray(padded_lengths, dtype=np.float64).copy()
+        spans[-1] += shape[1] - spans.sum()
+        return float(model.sequence_cost(spans, cp_size).sum())
+    rows, width = shape
+    return rows * float(model.sequence_cost([width], cp_size)[0])
+
+
+def _units(groups, n, padded, capacity, config) -> list[list[int]] | None:
+    """Samples grouped by id (first-appearance order), or None without groups."""
+    if groups is None:
+        return None
+    groups = list(groups)
+    if len(groups) != n:
+        raise ValueError(f"groups has {len(groups)} entries for {n} samples; give one group id per sample.")
+    if config.mode != "packing":
+        raise ValueError("groups keep samples together in one packed row: they need mode='packing'.")
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    for g, idx in members.items():
+        size = int(padded[idx].sum())
+        if size > capacity:
+            raise ValueError(
+                f"group {g!r} has {len(idx)} samples and {size} padded tokens, more than one micro-batch holds "
+                f"({capacity}). Raise train_mb_tokens (x cp) to at least {-(-size // config.cp_size)}, or split "
+                "the group upstream."
+            )
+    return list(members.values())
+
+
+def _plan_packing(padded, capacity, config, units, model: CostModel):
+    items = units if units is not None else [[i] for i in range(padded.size)]
+    sizes = np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
+    packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine)
+    if config.cost_budget is None:
+        unit_bins = packer.pack(sizes)
+    else:
+        costs = np.array([float(model.sequence_cost(padded[u]).sum()) for u in items])
+        cost_budget = config.cost_budget
+        if cost_budget == "auto":
+            cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(packer.pack(sizes)))
+        unit_bins = cost_capped_first_fit(sizes, costs, capacity, cost_budget, bin_count_multiple=config.dp_size)
+    bins = [[i for u in b for i in items[u]] for b in unit_bins]
+    multiple = config.padding_rule.total_multiple
+    shapes = []
+    for b in bins:
+        row = -(-int(padded[b].sum()) // multiple) * multiple
+        shapes.append((1, capacity if config.use_fixed_length else row))
+    return bins, shapes
+
+
+def _plan_dynamic(lengths, padded, capacity, config):
+    order = np.argsort(-lengths, kind="stable")
+    groups: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i in order.tolist():
+        w = max(width, int(padded[i]))
+        if current and (len(current) + 1) * w > capacity:
+            groups.append(current)
+            current, w = [], int(padded[i])
+        current.append(i)
+        width = w
+    groups.append(current)
+    return _split_until_divisible(groups, padded, config.dp_size, len(lengths))
+
+
+def _plan_padded(lengths, padded, config):
+    """The baseline: ``padded_rows`` consecutive samples per micro-batch, padded to their longest."""
+    groups = [
+        list(range(lo, min(lo + config.padded_rows, len(lengths)))) for lo in range(0, len(lengths), config.padded_rows)
+    ]
+    return _split_until_divisible(groups, padded, config.dp_size, len(lengths))
+
+
+def _split_until_divisible(groups, padded, dp, num_samples):
+    """Split the micro-batches with the most rows until their count is a multiple of DP."""
+    if num_samples < -(-len(groups) // dp) * dp:
+        raise ValueError(
+            f"Cannot give {dp} data-parallel ranks the same number of micro-batches with only {num_samples} "
+            f"samples in the global batch (need at least {-(-len(groups) // dp) * dp})."
+        )
+    heap = [(-len(g), k) for k, g in enumerate(groups)]
+    heapq.heapify(heap)
+    while len(groups) % dp:
+        _, k = heapq.heappop(heap)
+        g = groups[k]
+        half = len(g) // 2
+        groups[k], extra = g[:half], g[half:]
+        groups.append(extra)
+        heapq.heappush(heap, (-len(groups[k]), k))
+        heapq.heappush(heap, (-len(extra), len(groups) - 1))
+    shapes = [(len(g), int(padded[np.asarray(g)].max())) for g in groups]
+    return groups, shapes
