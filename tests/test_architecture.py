@@ -133,10 +133,11 @@ def test_planner_and_lower_layers_never_import_torch(tmp_path):
         from mcore_packing.__main__ import main
         with contextlib.redirect_stdout(io.StringIO()):
             code = main(["plan", "--lengths", {str(lengths)!r}, "--no-png", "--global-batch-size", "4", "--dp", "2"])
+            code += main(["train", "--recipe", "llama3_8b_sft_packed", "--dry-run", "data.num_samples=200"])
         print(json.dumps({{"code": code, "heavy": sorted(m for m in ("torch", "megatron") if m in sys.modules)}}))
         """
     )
-    assert loaded == {"code": 0, "heavy": []}
+    assert loaded == {"code": 0, "heavy": []}  # the planner and a recipe's dry run, on a login node
 
 
 def test_negative_control_the_torch_probe_sees_torch():
@@ -186,3 +187,19 @@ def test_negative_control_a_long_function_is_flagged():
     source = "def f():\n    '''doc'''\n" + "    x = 1\n" * 61
     assert long_functions(source, "x.py") == ["x.py:f (61 lines)"]
     assert long_functions("def g():\n" + "    x = 1\n" * 60, "x.py") == []
+
+
+def readme_imports() -> list[str]:
+    """Every ``from mcore_packing... import ...`` statement in the README's Python examples."""
+    text = (ROOT / "README.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in text.split("```python")[1:]]
+    # Line by line: the examples abbreviate calls with "...", so they are not all valid Python.
+    return [line.strip() for block in blocks for line in block.splitlines() if line.startswith("from mcore_packing")]
+
+
+def test_every_name_the_readme_imports_exists():
+    statements = readme_imports()
+    layers = {s.split()[1].split(".")[1] for s in statements}
+    assert layers >= {"packing", "planning", "thd", "megatron", "app"}, statements
+    for statement in statements:
+        exec(statement, {})

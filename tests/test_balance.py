@@ -19,6 +19,17 @@ from mcore_packing.planning import (
     plan_step,
 )
 
+# Llama-3-8B's shape, written out (independent of the recipe that also describes it).
+LLAMA3_8B = ModelShape(
+    num_layers=32,
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_query_groups=8,
+    ffn_hidden_size=14336,
+    vocab_size=128256,
+    gated_mlp=True,
+)
+
 
 def test_cost_model_hand_computed():
     # L=2, h=8, 2 heads (d=4), 1 kv head, ffn 16 (gated: 3 matrices), vocab 10.
@@ -46,17 +57,7 @@ def test_cost_model_hand_computed():
 
 
 def test_attention_share_grows_with_length_like_published_figures():
-    llama8b = CostModel.from_shape(
-        ModelShape(
-            num_layers=32,
-            hidden_size=4096,
-            num_attention_heads=32,
-            num_query_groups=8,
-            ffn_hidden_size=14336,
-            vocab_size=128256,
-            gated_mlp=True,
-        )
-    )
+    llama8b = CostModel.from_shape(LLAMA3_8B)
     short, long = llama8b.attention_share([4096]), llama8b.attention_share([32768])
     assert 0.05 < short < 0.10 and 0.30 < long < 0.45  # published: ~8% at 4k, ~40% at 32k
 
@@ -161,17 +162,7 @@ def test_plans_never_split_groups_never_exceed_the_cap_and_keep_equal_counts(bat
 def test_cost_balance_beats_round_robin_on_long_tailed_32k():
     from mcore_packing.data import sample_lengths
 
-    model = CostModel.from_shape(
-        ModelShape(
-            num_layers=32,
-            hidden_size=4096,
-            num_attention_heads=32,
-            num_query_groups=8,
-            ffn_hidden_size=14336,
-            vocab_size=128256,
-            gated_mlp=True,
-        )
-    )
+    model = CostModel.from_shape(LLAMA3_8B)
     pool = sample_lengths("lognormal", 100_000, 32768, seed=1)
     lengths = pool[: int(np.searchsorted(np.cumsum(pool), 0.97 * 64 * 32768))]
     results = {}
