@@ -3,7 +3,9 @@
 - TransformerEngine: optional (``pip install 'mcore-packing[te]'``). Used when importable; never needed.
 - megatron-core: 0.16 to 0.19. ``PackedSeqParams`` grew fields over releases (``total_tokens``,
   ``pad_between_seqs``); we detect fields instead of comparing versions.
-- torch: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, CUDA only) when present.
+- torch: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, CUDA only, fp16/bf16) when
+  present. Its signature changed between releases (an ``is_causal`` flag first; keyword ``window_size``,
+  ``scale`` and ``enable_gqa`` later); `varlen_attention` calls either.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ __all__ = [
     "require_megatron",
     "te_available",
     "te_thd_partitioned_indices",
+    "varlen_attention",
     "varlen_attn_available",
 ]
 
@@ -54,6 +57,40 @@ def varlen_attn_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, causal: bool = True, fn=None):
+    """Variable-length attention over ``[T, H, D]`` tensors through whichever ``varlen_attn`` torch has.
+
+    Newer releases take ``window_size=(-1, 0)`` for causal masking, ``scale`` and ``enable_gqa``; older
+    ones take ``is_causal`` and neither of the others, so the default scale is checked against ``scale``
+    and grouped K/V heads are repeated to the query heads. ``fn`` replaces torch's function (tests).
+    """
+    import inspect
+    import math
+
+    if fn is None:
+        from torch.nn.attention.varlen import varlen_attn as fn
+    params = inspect.signature(fn).parameters
+    kwargs = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+    else:
+        kwargs["is_causal"] = causal
+    if "scale" in params:
+        kwargs["scale"] = scale
+    elif not math.isclose(scale, 1.0 / math.sqrt(q.shape[-1]), rel_tol=1e-6):
+        raise RuntimeError(
+            f"this torch's varlen_attn has no scale argument and softmax_scale={scale} is not 1/sqrt(head_dim); "
+            "use PackedCoreAttention(backend='sdpa') or a newer torch."
+        )
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
 
 
 def require_megatron():

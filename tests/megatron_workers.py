@@ -256,3 +256,15 @@ def cp_roundtrip_worker(rank, world_size, cases):
     report["bshd_attention_err"] = float((out - ref).abs().max())
     report["bshd_grad_err"] = max(float((a - r).abs().max()) for a, r in zip(full_grads, ref_grads, strict=True))
     return report
+
+
+def gpu_check_helper_on_cpu_worker(rank, world_size):
+    """The GPU test's packed-vs-per-sequence helper (tests/test_gpu.py) on the CPU in fp32, so its own
+    logic is verified where CI runs; on a GPU only the device changes."""
+    from mcore_packing.megatron import cpu_device_adapter
+
+    from .test_gpu import packed_vs_per_sequence
+
+    init_megatron()
+    with cpu_device_adapter():
+        return packed_vs_per_sequence(torch.device("cpu"), torch.float32, "local")

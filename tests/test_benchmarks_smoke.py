@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -47,40 +48,56 @@ def test_step_throughput_quick():
 
 
 @pytest.mark.multirank
-def test_gpu_step_code_path_on_cpu(tmp_path):
+def test_gpu_step_code_path_on_cpu_and_its_summary(tmp_path):
+    """The GPU benchmark's real loop on a tiny fp32 model on the CPU, then the summary the check prints."""
     proc = run(
         "benchmarks/gpu_step.py",
-        "--quick",
-        "--device",
-        "cpu",
-        "--dtype",
-        "float32",
-        "--layers",
-        "1",
-        "--hidden",
-        "64",
-        "--heads",
-        "2",
-        "--ffn",
-        "128",
-        "--vocab",
-        "256",
-        "--batch-size",
-        "8",
-        "--max-len",
-        "128",
-        "--mb-tokens",
-        "512",
-        "--attention-backends",
-        "local",
-        "te",
-        "--out",
-        str(tmp_path / "g.json"),
+        *("--device", "cpu", "--dtype", "float32", "--layers", "1", "--hidden", "64", "--heads", "2"),
+        *("--kv-heads", "1", "--ffn", "128", "--vocab", "256", "--batch-size", "8", "--max-len", "128"),
+        *("--mb-tokens", "512", "--distribution", "lognormal", "--steps", "4", "--attention-backends", "local", "te"),
+        *("--out", str(tmp_path / "gpu_step.json")),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "packed/padded" in proc.stdout
-    assert "skipped, TransformerEngine is not installed" in proc.stdout or "te    ratios" in proc.stdout
-    assert json.loads((tmp_path / "g.json").read_text())["results"]
+    assert "packed/padded" in proc.stdout and "skipped, TransformerEngine is not installed" in proc.stdout
+    (row,) = json.loads((tmp_path / "gpu_step.json").read_text())["results"]
+    assert row["packing"]["largest_microbatch_tokens"] <= 512  # bounded by the budget, not the longest sample
+    assert 0 < row["packing"]["prediction"]["mean_abs_rel_error"] < 10
+    (tmp_path / "versions.json").write_text(run("benchmarks/gpu_summary.py", "--versions").stdout)
+    summary = run("benchmarks/gpu_summary.py", str(tmp_path))
+    assert summary.returncode == 0, summary.stderr[-2000:]
+    assert "| packing |" in summary.stdout and "packed/padded" in summary.stdout
+
+
+def test_gpu_check_dry_run_collects_every_step(tmp_path):
+    """The prepared GPU check's CPU path: versions, the test selections (collected), the plans of the
+    GPU benchmark, the summary; the GPU steps are printed, not run."""
+    env = {**os.environ, "MCORE_PACKING_GPU_RESULTS": str(tmp_path), "PYTHON": sys.executable}
+    proc = subprocess.run(
+        ["bash", "benchmarks/gpu_check.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gpu_check: 0 failed step(s)" in proc.stdout
+    for name in ("gpu_tests", "newest_megatron_cpu_tests", "gpu_step"):
+        assert (tmp_path / f"{name}.status").read_text().strip() == f"{name}: dry run"
+    collected = (tmp_path / "collected.txt").read_text()
+    assert (
+        "test_packed_gpt_matches_per_sequence_on_the_gpu" in collected and "test_two_ranks_match_reference" in collected
+    )
+    plans = json.loads((tmp_path / "gpu_step_plan.json").read_text())["plans"]
+    packing = [p for p in plans if p["mode"] == "packing"]
+    assert packing and all(p["largest_microbatch_tokens"] <= 16384 for p in packing)
+    assert json.loads((tmp_path / "summary.json").read_text())["versions"]["python"]
+
+
+def test_wheel_list_for_the_gpu_machine_matches_the_lock():
+    proc = subprocess.run(
+        ["bash", "benchmarks/fetch_gpu_wheels.sh", "--list"], cwd=ROOT, capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 0, proc.stderr
+    wanted = proc.stdout.split()
+    lock = (Path(ROOT) / "requirements" / "cpu.lock.txt").read_text().lower()
+    assert wanted[0].startswith("megatron-core==0.19")
+    assert all(w.lower() in lock for w in wanted[1:]), wanted  # the rest: the versions CPU CI tests
 
 
 def test_plan_quality_small(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 import pytest
@@ -152,3 +153,53 @@ def test_cp_round_trips_and_bshd_cp_attention(cp):
     report = run_distributed("tests.megatron_workers:cp_roundtrip_worker", cp, cases=cases)[0]
     assert all(report["thd_roundtrip"]) and report["bshd_roundtrip"]
     assert report["bshd_attention_err"] < 1e-5 and report["bshd_grad_err"] < 1e-5, report
+
+
+def _varlen_semantics(q, k, v, cu, causal, scale):
+    """What torch documents varlen_attn to compute, written with per-sequence SDPA on CPU: a stand-in for
+    the CUDA-only kernel, so the version shim's argument mapping can be checked here."""
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for a, b in itertools.pairwise(bounds):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
+        if ks.shape[0] != qs.shape[0]:
+            ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], dim=0) for t in (ks, vs))
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
+        out[a:b] = o.transpose(0, 1)
+    return out
+
+
+def _new_varlen_api(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                    enable_gqa=False):  # fmt: skip
+    assert enable_gqa or k.shape[1] == q.shape[1]
+    return _varlen_semantics(q, k, v, cu_q, window_size == (-1, 0), scale)
+
+
+def _old_varlen_api(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+    assert k.shape[1] == q.shape[1], "the old API has no grouped-query attention"
+    return _varlen_semantics(q, k, v, cu_q, is_causal, None)
+
+
+@pytest.mark.parametrize("api", [_new_varlen_api, _old_varlen_api])
+def test_varlen_shim_calls_either_torch_signature_like_sdpa_per_sequence(api):
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in (5, 1, 9)], PaddingRule())
+    cu = batch.cu_seqlens_padded
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(batch.total_tokens, 4, 8, generator=g)
+    k, v = (torch.randn(batch.total_tokens, 2, 8, generator=g) for _ in range(2))  # GQA: 2 K/V heads
+    got = compat.varlen_attention(q, k, v, cu, 9, scale=8**-0.5, fn=api)
+    for a, n in zip(cu.tolist(), batch.seq_lengths, strict=False):
+        want = naive_causal_attention(q[a : a + n], k[a : a + n], v[a : a + n])
+        torch.testing.assert_close(got[a : a + n], want, rtol=1e-5, atol=1e-6)
+    # Negative control: non-causal attention differs (later tokens leak into earlier ones).
+    leaky = compat.varlen_attention(q, k, v, cu, 9, scale=8**-0.5, causal=False, fn=api)
+    assert (leaky[:4] - got[:4]).abs().max() > 1e-3
+    if api is _old_varlen_api:
+        with pytest.raises(RuntimeError, match="has no scale argument"):
+            compat.varlen_attention(q, k, v, cu, 9, scale=0.5, fn=api)
+
+
+@pytest.mark.multirank
+def test_the_gpu_checks_own_comparison_holds_on_cpu():
+    errors = run_distributed("tests.megatron_workers:gpu_check_helper_on_cpu_worker", 1)[0]
+    assert errors["logits"] <= 1e-5 and errors["grads"] <= 1e-4, errors

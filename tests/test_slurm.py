@@ -113,6 +113,7 @@ def test_shell_scripts_pass_shellcheck():
         *map(str, ROOT.glob("slurm/*.sh")),
         *map(str, ROOT.glob("slurm/*.sbatch")),
         *map(str, ROOT.glob("scripts/*.sh")),
+        *map(str, ROOT.glob("benchmarks/*.sh")),
         str(ROOT / ".ci/run"),
         str(ROOT / "tests/slurm/local_slurm.sh"),
     ]

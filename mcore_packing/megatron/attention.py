@@ -23,7 +23,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ..compat import require_megatron, varlen_attn_available
+from ..compat import require_megatron, varlen_attention, varlen_attn_available
 from ..thd.context_parallel import all_gather_cat, bshd_inverse_order, bshd_partition_indices, thd_inverse_order
 from .packed_seq import ThdLayout, thd_layout
 
@@ -127,7 +127,8 @@ class PackedCoreAttention(MegatronModule):
             if not varlen_attn_available():
                 raise RuntimeError("backend='varlen' needs torch.nn.attention.varlen.varlen_attn and a CUDA device.")
             return True
-        return query.is_cuda and varlen_attn_available()
+        # FlashAttention runs fp16/bf16 only: fp32 (e.g. exactness checks) takes SDPA per sequence.
+        return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and varlen_attn_available()
 
     def _thd(self, q, k, v, params) -> torch.Tensor:
         layout = thd_layout(params)
@@ -142,23 +143,9 @@ class PackedCoreAttention(MegatronModule):
         return self._thd_context_parallel(q, k, v, layout)
 
     def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
-        from torch.nn.attention.varlen import varlen_attn
-
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu = cu.to(device=q.device, dtype=torch.int32)
-        longest = max(layout.padded_lengths)
-        return varlen_attn(
-            q,
-            k,
-            v,
-            cu,
-            cu,
-            longest,
-            longest,
-            scale=self._scale(q.shape[-1]),
-            window_size=(-1, 0),
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        return varlen_attention(q, k, v, cu, max(layout.padded_lengths), scale=self._scale(q.shape[-1]))
 
     def _gather_kv(self, k, v, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather local K/V over CP and reorder to packed order with ``index`` (the inverse split)."""
