@@ -9,9 +9,11 @@ The adapter replaces the module-global name ``torch`` inside exactly those Megat
 tensor factories given a CUDA (or integer) device allocate on the CPU, ``torch.cuda.current_device()``
 returns the CPU device and ``torch.cuda.synchronize()`` does nothing. A factory asked for pinned memory
 (BSHD RoPE's CP index, ``torch.tensor(..., pin_memory=True).cuda()``) returns an unpinned CPU tensor
-whose ``.cuda()`` stays on the CPU. Everything else passes through to
-the real torch, which is never modified. Every redirected call site is recorded, so a test can pin the
-exact set to the installed megatron-core and an upgrade cannot silently change it.
+whose ``.cuda()`` stays on the CPU. ``Tensor.cuda()`` called from one of those modules (tied embeddings
+under PP: ``weight.data.cuda()`` before the embedding all-reduce) returns the tensor itself while the
+adapter is active; called from anywhere else it is torch's own. Everything else passes through to the
+real torch. Every redirected call site is recorded, so a test can pin the exact set to the installed
+megatron-core and an upgrade cannot silently change it.
 
 It is a stand-in for a GPU, used only when ``torch.cuda.is_available()`` is False.
 """
@@ -38,6 +40,7 @@ PATCHED_MODULES = (
     "megatron.core.utils",
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.models.common.language_module.language_module",
 )
 """Megatron modules whose ``torch`` global is redirected while the adapter is active."""
 
@@ -134,10 +137,28 @@ class CpuDeviceAdapter:
                 continue
             self._saved[name] = module.torch
             module.torch = _TorchProxy(self, name)
+        if "Tensor.cuda" not in self._saved:
+            self._saved["Tensor.cuda"] = torch.Tensor.cuda
+            torch.Tensor.cuda = self._tensor_cuda(torch.Tensor.cuda)
+
+    def _tensor_cuda(self, original):
+        adapter, modules = self, set(self.modules)
+
+        def cuda(tensor, *args, **kwargs):
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller in modules:
+                adapter._record(caller, "Tensor.cuda")
+                return tensor
+            return original(tensor, *args, **kwargs)
+
+        return cuda
 
     def uninstall(self) -> None:
         for name, original in self._saved.items():
-            sys.modules[name].torch = original
+            if name == "Tensor.cuda":
+                torch.Tensor.cuda = original
+            else:
+                sys.modules[name].torch = original
         self._saved.clear()
 
 

@@ -87,6 +87,9 @@ def get_packed_gpt_layer_spec(
     norm = LocalRMSNorm if normalization == "RMSNorm" else LocalLayerNorm
     spec.submodules.input_layernorm = norm
     spec.submodules.pre_mlp_layernorm = norm
+    if qk_layernorm:  # per-head norms (Qwen3); Megatron's torch-norm wrapper would refuse sequence parallelism
+        spec.submodules.self_attention.submodules.q_layernorm = norm
+        spec.submodules.self_attention.submodules.k_layernorm = norm
     return spec
 
 
@@ -104,7 +107,12 @@ def get_packed_gpt_block_spec(config, backend: str = "auto", *, vp_stage: int | 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-    layer = get_packed_gpt_layer_spec("local", normalization=normalization, attention=attention)
+    layer = get_packed_gpt_layer_spec(
+        "local",
+        normalization=normalization,
+        qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+        attention=attention,
+    )
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     norm = LocalRMSNorm if normalization == "RMSNorm" else LocalLayerNorm
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)

@@ -13,7 +13,7 @@ import torch
 from ..compat import require_megatron
 from ..planning.model_shape import ModelShape
 
-__all__ = ["build_gpt_model", "initialize_parallel", "transformer_config"]
+__all__ = ["build_gpt_model", "initialize_parallel", "padded_vocab_size", "transformer_config"]
 
 
 def initialize_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
@@ -47,13 +47,23 @@ def transformer_config(
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
     if shape.gated_mlp:
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    if shape.kv_heads % tp:
+        raise ValueError(
+            f"model.num_query_groups={shape.kv_heads} key/value heads cannot be split over TP={tp}: every tensor-"
+            "parallel rank holds whole query groups. Use a TP size that divides the key/value heads."
+        )
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
+        kv_channels=shape.head_size,
         ffn_hidden_size=shape.ffn_size,
         normalization=shape.normalization,
+        layernorm_epsilon=shape.norm_epsilon,
+        add_bias_linear=shape.linear_bias,
+        add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         context_parallel_size=cp,
@@ -67,6 +77,33 @@ def transformer_config(
         variable_seq_lengths=variable_seq_lengths,
         **extra,
     )
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of TP (each TP rank holds an equal slice of it)."""
+    return -(-vocab_size // tp) * tp
+
+
+def _mask_padded_vocab(output_layer, vocab_size: int, tp: int) -> None:
+    """Logits of the padding rows (past the real vocabulary) become the dtype's minimum, so softmax and
+    the loss are those of the real vocabulary: zero rows alone would still add exp(0) per row."""
+    from megatron.core import parallel_state as ps
+
+    per_rank = padded_vocab_size(vocab_size, tp) // tp
+    first_padded = vocab_size - ps.get_tensor_model_parallel_rank() * per_rank  # local column index
+    if first_padded >= per_rank:
+        return
+
+    def mask(module, args, output):
+        logits, bias = output
+        return logits.masked_fill(_column_mask(logits, max(first_padded, 0)), torch.finfo(logits.dtype).min), bias
+
+    output_layer.register_forward_hook(mask)
+
+
+def _column_mask(logits: torch.Tensor, first: int) -> torch.Tensor:
+    column = torch.arange(logits.shape[-1], device=logits.device)
+    return column >= first
 
 
 def build_gpt_model(
@@ -103,13 +140,18 @@ def build_gpt_model(
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_packed_gpt_block_spec(config, attention_backend),
-        vocab_size=shape.vocab_size,
+        vocab_size=padded_vocab_size(shape.vocab_size, tp),
         max_sequence_length=shape.max_sequence_length,
         position_embedding_type="rope",
-        share_embeddings_and_output_weights=False,
+        rotary_base=shape.rotary_base,
+        rope_scaling=shape.rope_scaling_factor is not None,
+        rope_scaling_factor=shape.rope_scaling_factor or 8.0,
+        share_embeddings_and_output_weights=shape.tie_embeddings,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
     )
+    if model.post_process and padded_vocab_size(shape.vocab_size, tp) != shape.vocab_size:
+        _mask_padded_vocab(model.output_layer, shape.vocab_size, tp)
     if device is not None:
         model = model.to(device)
     ddp = DistributedDataParallel(

@@ -1,11 +1,11 @@
 """Compute cost of sequences: a linear part per token and a quadratic part per sequence (attention).
 
-For a GPT with ``L`` layers, width ``h``, ``n_q`` query heads of size ``d = h / n_q``, ``n_kv`` key/value
-heads, MLP width ``f`` (``gated``: three matrices, else two) and vocabulary ``V``, one sequence of ``s``
-tokens costs, in forward FLOPs (a multiply-add is 2 FLOPs):
+For a GPT with ``L`` layers, width ``h``, ``n_q`` query heads of size ``d`` (``h / n_q`` unless the
+shape sets ``head_dim``), ``n_kv`` key/value heads, MLP width ``f`` (``gated``: three matrices, else two)
+and vocabulary ``V``, one sequence of ``s`` tokens costs, in forward FLOPs (a multiply-add is 2 FLOPs):
 
-    linear(s)    = s * [ 2 * L * (h*(n_q + 2*n_kv)*d + h*h + m*h*f) + 2*h*V ]      m = 3 if gated else 2
-    attention(s) = 2 * L * h * s^2          (QK^T and AV: 2 * 2 * s^2 * h per layer, halved by the causal mask)
+    linear(s)    = s * [ 2 * L * (h*(n_q + 2*n_kv)*d + n_q*d*h + m*h*f) + 2*h*V ]   m = 3 if gated else 2
+    attention(s) = 2 * L * n_q*d * s^2      (QK^T and AV: 2 * 2 * s^2 * n_q*d per layer, halved by the causal mask)
 
 Training (forward + backward) is 3x forward. So ``cost(s) = a*s + b*s^2`` with ``a = 3*linear/s`` and
 ``b = 3*2*L*h``. Under context parallelism each CP rank does ``1/cp`` of both parts (the load-balanced

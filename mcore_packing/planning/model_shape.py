@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..validators import require_choice, require_positive_int
+from ..validators import require_choice, require_positive_int, require_positive_number
 
-__all__ = ["NORMALIZATIONS", "ModelShape"]
+__all__ = ["FAMILIES", "NORMALIZATIONS", "ModelShape"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
+"""``gpt``: Megatron's defaults (biases on every linear); the others are Hugging Face model types."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,6 +33,17 @@ class ModelShape:
         normalization: ``LayerNorm`` or ``RMSNorm``.
         gated_mlp: SwiGLU-style gated MLP (three matrices, SiLU) as in Llama and Qwen; False is the
             two-matrix GELU MLP.
+        head_dim: size of one attention head; None means hidden_size / num_attention_heads (Qwen3 sets
+            it explicitly, e.g. 128 at width 1024 with 16 heads).
+        norm_epsilon: epsilon of every norm (HF ``rms_norm_eps``).
+        rotary_base: RoPE base (HF ``rope_theta``; Llama 3: 500000).
+        rope_scaling_factor: Llama-3 RoPE scaling factor (low/high frequency factors 1 and 4, original
+            context 8192, as Megatron implements it); None for no scaling.
+        linear_bias: biases on the attention output and MLP linears (Megatron's default; HF families: no).
+        qkv_bias: biases on the query/key/value projection only (Qwen2).
+        qk_norm: RMSNorm of each query and key head (Qwen3).
+        tie_embeddings: the output layer shares the input embedding.
+        family: ``gpt`` or the Hugging Face model type this shape came from (import/export use it).
     """
 
     num_layers: int = 2
@@ -42,13 +55,22 @@ class ModelShape:
     max_sequence_length: int = 4096
     normalization: str = "LayerNorm"
     gated_mlp: bool = False
+    head_dim: int | None = None
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    rope_scaling_factor: float | None = None
+    linear_bias: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    family: str = "gpt"
 
     def __post_init__(self):
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
             require_positive_int(f"model.{name}", getattr(self, name))
-        for name in ("num_query_groups", "ffn_hidden_size"):
+        for name in ("num_query_groups", "ffn_hidden_size", "head_dim"):
             require_positive_int(f"model.{name}", getattr(self, name), allow_none=True)
-        if self.hidden_size % self.num_attention_heads:
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by num_attention_heads="
                 f"{self.num_attention_heads}; pick a head count that divides the width."
@@ -59,10 +81,19 @@ class ModelShape:
                 f"{self.num_query_groups}; every key/value head must serve the same number of query heads."
             )
         require_choice("model.normalization", self.normalization, NORMALIZATIONS)
+        require_choice("model.family", self.family, FAMILIES)
+        require_positive_number("model.norm_epsilon", self.norm_epsilon)
+        require_positive_number("model.rotary_base", self.rotary_base)
+        if self.rope_scaling_factor is not None:
+            require_positive_number("model.rope_scaling_factor", self.rope_scaling_factor)
 
     @property
     def kv_heads(self) -> int:
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def ffn_size(self) -> int:

@@ -1,0 +1,153 @@
+"""Hugging Face ``config.json`` <-> `ModelShape`, for the decoder families we convert (plain JSON, no torch).
+
+Families: Llama (2, 3.x with Llama-3 RoPE scaling), Mistral (without sliding windows), Qwen2/Qwen2.5
+(biases on q/k/v), Qwen3 (RMSNorm of each query and key head, explicit ``head_dim``). Both config layouts
+are read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``). Options that the
+Megatron model cannot reproduce exactly are refused with an error that names the field, instead of
+converting into a model that computes something else.
+
+    shape = shape_from_hf_config(json.load(open("Llama-3.2-1B/config.json")))
+    config = hf_config_from_shape(shape, dtype="bfloat16")      # what export writes
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .model_shape import ModelShape
+
+__all__ = ["HF_FAMILIES", "hf_config_from_shape", "read_hf_config", "shape_from_hf_config"]
+
+
+@dataclass(frozen=True)
+class _Family:
+    architecture: str
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+
+HF_FAMILIES = {
+    "llama": _Family("LlamaForCausalLM"),
+    "mistral": _Family("MistralForCausalLM"),
+    "qwen2": _Family("Qwen2ForCausalLM", qkv_bias=True),
+    "qwen3": _Family("Qwen3ForCausalLM", qk_norm=True),
+}
+"""HF ``model_type`` -> architecture class and attention options."""
+
+# Megatron's Llama-3 RoPE scaling fixes these (megatron.core RotaryEmbedding._apply_scaling defaults).
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def read_hf_config(folder: str | Path) -> dict:
+    """``folder/config.json`` as a dict, or an error that says what is missing."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} does not exist: model.hf_path must be a Hugging Face model folder (config.json, "
+            "*.safetensors, tokenizer.json), e.g. one saved by save_pretrained or downloaded from the Hub."
+        )
+    return json.loads(path.read_text())
+
+
+def _refuse(field: str, value, why: str) -> ValueError:
+    return ValueError(f"config.json: {field}={value!r} is not supported: {why}")
+
+
+def _rope(config: dict) -> tuple[float, float | None]:
+    """(rope_theta, Llama-3 scaling factor or None) from either config layout."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise _refuse("rope_type", kind, "only the default RoPE and Llama-3 scaling ('llama3') convert exactly.")
+    for key, fixed in _LLAMA3_FIXED.items():
+        if float(params.get(key, fixed)) != fixed:
+            raise _refuse(
+                f"rope {key}", params[key], f"Megatron's Llama-3 RoPE scaling uses {key}={fixed} (Llama 3.1-3.3)."
+            )
+    return theta, float(params["factor"])
+
+
+def shape_from_hf_config(config: dict) -> ModelShape:
+    """The `ModelShape` of a Hugging Face decoder config; unsupported options raise ValueError."""
+    model_type = config.get("model_type")
+    if model_type not in HF_FAMILIES:
+        raise ValueError(
+            f"config.json: model_type={model_type!r} (architectures {config.get('architectures')}) is not a family "
+            f"mcore_packing converts. Supported: {', '.join(sorted(HF_FAMILIES))}."
+        )
+    family = HF_FAMILIES[model_type]
+    if config.get("hidden_act", "silu") != "silu":
+        raise _refuse("hidden_act", config["hidden_act"], "these families use SiLU-gated MLPs.")
+    if config.get("mlp_bias"):
+        raise _refuse("mlp_bias", True, "Megatron's linear_bias would also add an attention output bias.")
+    if config.get("attention_bias") and not family.qkv_bias:
+        raise _refuse("attention_bias", True, f"{model_type} would also need an o_proj bias.")
+    window = config.get("sliding_window")
+    if window is not None and (model_type == "mistral" or config.get("use_sliding_window")):
+        raise _refuse("sliding_window", window, "sliding-window attention is not implemented; use a model without it.")
+    theta, scaling = _rope(config)
+    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    head_dim = config.get("head_dim")
+    return ModelShape(
+        num_layers=int(config["num_hidden_layers"]),
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        num_query_groups=int(config.get("num_key_value_heads") or heads),
+        ffn_hidden_size=int(config["intermediate_size"]),
+        vocab_size=int(config["vocab_size"]),
+        max_sequence_length=int(config.get("max_position_embeddings", 4096)),
+        normalization="RMSNorm",
+        gated_mlp=True,
+        head_dim=int(head_dim) if head_dim and int(head_dim) != hidden // heads else None,
+        norm_epsilon=float(config.get("rms_norm_eps", 1e-6)),
+        rotary_base=theta,
+        rope_scaling_factor=scaling,
+        linear_bias=False,
+        qkv_bias=family.qkv_bias or bool(config.get("attention_bias")),
+        qk_norm=family.qk_norm,
+        tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+        family=model_type,
+    )
+
+
+def hf_config_from_shape(shape: ModelShape, *, dtype: str = "bfloat16", extra: dict | None = None) -> dict:
+    """A ``config.json`` that transformers loads as the same model: ``rope_parameters`` for transformers 5,
+    ``rope_theta`` / ``rope_scaling`` for 4.x readers (vLLM releases pin either). ``extra`` keeps fields
+    of the source config (token ids, ...)."""
+    if shape.family not in HF_FAMILIES:
+        raise ValueError(f"model.family={shape.family!r} has no Hugging Face counterpart; export needs one of "
+                         f"{', '.join(sorted(HF_FAMILIES))}.")  # fmt: skip
+    rope = {"rope_type": "default", "rope_theta": shape.rotary_base}
+    if shape.rope_scaling_factor is not None:
+        rope = {"rope_type": "llama3", "rope_theta": shape.rotary_base, "factor": shape.rope_scaling_factor}
+        rope.update(_LLAMA3_FIXED)
+    config = dict(extra or {})
+    config.update(
+        architectures=[HF_FAMILIES[shape.family].architecture],
+        model_type=shape.family,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_size,
+        vocab_size=shape.vocab_size,
+        max_position_embeddings=shape.max_sequence_length,
+        rms_norm_eps=shape.norm_epsilon,
+        rope_parameters=rope,
+        rope_theta=shape.rotary_base,
+        rope_scaling=rope if shape.rope_scaling_factor is not None else None,
+        hidden_act="silu",
+        tie_word_embeddings=shape.tie_embeddings,
+        torch_dtype=dtype,
+    )
+    if shape.family in ("llama", "qwen3"):
+        config["attention_bias"] = shape.qkv_bias
+    if shape.family == "mistral":
+        config["sliding_window"] = None
+    return config

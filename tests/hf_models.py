@@ -1,0 +1,75 @@
+"""Tiny random Hugging Face decoders of each family we convert, saved as safetensors folders.
+
+Every parameter is drawn at random (norm weights around 1, biases around 0): with the library's default
+initialization all norm weights are 1 and biases 0, and a converter that swapped two norms or dropped a
+bias would still match.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 101  # odd on purpose: TP=2 pads it to 102, and the padded row must never count
+
+BASE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=16384,
+    rms_norm_eps=1e-5,
+)
+
+FAMILIES = {
+    # Llama 3.x: RoPE base 500000 with Llama-3 scaling.
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+        ),
+    ),
+    "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),  # q/k/v biases
+    "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0)),  # q/k norms; head_dim != hidden/heads
+    "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
+    "mistral": ("MistralConfig", dict(sliding_window=None)),
+}
+
+
+def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
+    """Save a randomly initialized tiny model of ``family`` (see FAMILIES) to ``folder``."""
+    import transformers
+
+    class_name, extra = FAMILIES[family]
+    config = getattr(transformers, class_name)(**BASE, **extra)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def hf_logits(folder: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
+    """The reference: each sequence alone through the Hugging Face model, fp32 logits [n, V]."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.eval()
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0].float() for s in sequences]

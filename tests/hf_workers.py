@@ -1,0 +1,100 @@
+"""Worker functions for the Hugging Face conversion tests (they run inside real gloo ranks)."""
+
+from __future__ import annotations
+
+import torch
+
+from .megatron_workers import init_megatron
+
+
+def _build(folder, tp, pp, patch=None):
+    from megatron.core import parallel_state as ps
+
+    from mcore_packing.megatron import build_gpt_model, cpu_device_adapter
+    from mcore_packing.megatron import hf_weights
+    from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
+
+    init_megatron(tp=tp, pp=pp)
+    shape = shape_from_hf_config(read_hf_config(folder))
+    with cpu_device_adapter():
+        model, _ = build_gpt_model(shape, tp=tp, pp=pp, attention_backend="local")
+    if patch == "swap_gate_up":  # negative control: [up; gate] instead of [gate; up]
+        kind, names = hf_weights._PER_LAYER["mlp.linear_fc1.weight"]
+        hf_weights._PER_LAYER["mlp.linear_fc1.weight"] = (kind, names[::-1])
+    stats = hf_weights.load_hf_weights(model, shape, folder, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    return model, shape, stats
+
+
+def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
+    """Full-vocabulary logits per sequence (one forward each, and one packed THD forward; PP=1), and
+    next-token log-probs of every sequence through Megatron's schedule from packed micro-batches."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from mcore_packing.megatron import ParallelGroups, compute_logprobs, cpu_device_adapter, to_packed_seq_params
+    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
+
+    model, shape, stats = _build(folder, tp, pp, patch)
+    module = model.module
+    out = {"stats": stats}
+
+    def full_vocab(logits):  # [s, V/tp] on each TP rank -> [s, V]
+        parts = [torch.empty_like(logits) for _ in range(tp)]
+        dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts, dim=-1)[:, : shape.vocab_size]
+
+    with cpu_device_adapter(), torch.no_grad():
+        if pp == 1:
+            out["alone"] = [
+                full_vocab(module(torch.tensor([s]), torch.arange(len(s))[None], None)[0]) for s in sequences
+            ]
+            batch = build_packed_batch([SequenceSample(s) for s in sequences], PaddingRule(tp_size=tp))
+            params = to_packed_seq_params(batch)
+            packed = full_vocab(module(batch.tokens, batch.position_ids, None, packed_seq_params=params)[0])
+            starts = batch.cu_seqlens_padded.tolist()
+            out["packed"] = [packed[a : a + len(s)] for a, s in zip(starts, sequences, strict=False)]
+        lengths = [len(s) for s in sequences]
+        config = StepPlanConfig(train_mb_tokens=64, tp_size=tp, pp_size=pp)
+        plan = plan_step(lengths, config, forward_only=True)
+        samples = [SequenceSample(s) for s in sequences]
+        out["logprobs"] = compute_logprobs(model, samples, plan, ParallelGroups.from_megatron())
+    return out if rank == 0 else None
+
+
+def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequences=None):
+    """Import, optionally take one packed SFT step (AdamW), and return this rank's state dict and layout
+    (and, when a step ran, the logits of ``sequences`` after it, PP=1 only)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_packing.megatron import ParallelGroups, cpu_device_adapter, run_step
+    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.thd import SequenceSample
+
+    model, shape, _ = _build(folder, tp, pp)
+    out = {}
+    if sft_step:
+        samples = [SequenceSample(s) for s in sequences]
+        plan = plan_step([len(s) for s in sequences], StepPlanConfig(train_mb_tokens=32, tp_size=tp, pp_size=pp))
+        params = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        with cpu_device_adapter():
+            model.zero_grad_buffer()
+            out["loss"] = run_step(model, samples, plan, ParallelGroups.from_megatron()).loss
+            for p in params:
+                p.grad = p.main_grad.to(p.dtype)
+            optimizer.step()
+            if pp == 1 and tp == 1:
+                with torch.no_grad():
+                    out["logits"] = [
+                        model.module(torch.tensor([s]), torch.arange(len(s))[None], None)[0][:, : shape.vocab_size]
+                        for s in sequences
+                    ]
+    out.update(
+        state={k: v for k, v in model.module.state_dict().items() if isinstance(v, torch.Tensor)},
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        layer_numbers=[layer.layer_number - 1 for layer in model.module.decoder.layers],
+    )
+    return out
