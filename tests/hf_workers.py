@@ -10,8 +10,7 @@ from .megatron_workers import init_megatron
 def _build(folder, tp, pp, patch=None):
     from megatron.core import parallel_state as ps
 
-    from mcore_packing.megatron import build_gpt_model, cpu_device_adapter
-    from mcore_packing.megatron import hf_weights
+    from mcore_packing.megatron import build_gpt_model, cpu_device_adapter, hf_weights
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
     init_megatron(tp=tp, pp=pp)
