@@ -73,3 +73,43 @@ def hf_logits(folder: Path, sequences: list[list[int]]) -> list[torch.Tensor]:
     model.eval()
     with torch.no_grad():
         return [model(torch.tensor([s])).logits[0].float() for s in sequences]
+
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(folder: Path, vocab_size: int) -> Path:
+    """A byte-level BPE of ``vocab_size`` tokens trained on CHAMP text, with a ChatML chat template, saved
+    as tokenizer.json + tokenizer_config.json (what Hugging Face chat models ship)."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from mcore_packing.data.real_text import champ_conversation_texts
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tokenizer.train_from_iterator(champ_conversation_texts()[:300], trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"chat_template": CHATML, "eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def make_chat_model(folder: Path, vocab_size: int = 384) -> Path:
+    """A tiny Qwen2 chat model: random weights of make_tiny's shape with a trained tokenizer."""
+    import transformers
+
+    config = transformers.Qwen2Config(**{**BASE, "vocab_size": vocab_size}, rope_theta=1000000.0)
+    torch.manual_seed(1)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+    return make_tokenizer(folder, vocab_size)

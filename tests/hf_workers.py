@@ -97,3 +97,12 @@ def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequ
         layer_numbers=[layer.layer_number - 1 for layer in model.module.decoder.layers],
     )
     return out
+
+
+def load_error_worker(rank, world_size, folder):
+    """The error (its message) that importing ``folder`` raises, or None."""
+    try:
+        _build(folder, 1, 1)
+    except (ValueError, FileNotFoundError) as exc:
+        return str(exc)
+    return None

@@ -135,3 +135,36 @@ def test_after_a_packed_sft_step_the_export_loads_in_transformers(checkpoints, t
     assert max(errors) <= RTOL, errors
     moved = max(rel_err(a, b) for a, b in zip(reloaded, references[family], strict=True))
     assert moved > 1e-3, moved  # the step changed the model: the comparison is not of two unchanged copies
+
+
+def _broken_copy(src, dst, *, drop=None, config_changes=None):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if drop:
+        tensors = load_file(str(dst / "model.safetensors"))
+        del tensors[drop]
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    if config_changes:
+        config = json.loads((dst / "config.json").read_text())
+        config.update(config_changes)
+        (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+@pytest.mark.multirank
+def test_bad_checkpoints_fail_before_training_naming_the_tensor(checkpoints, tmp_path):
+    folders, _ = checkpoints
+    missing = _broken_copy(folders["qwen2"], tmp_path / "missing", drop="model.layers.1.self_attn.k_proj.bias")
+    wrong = _broken_copy(folders["llama3"], tmp_path / "wrong", config_changes={"intermediate_size": 80})
+    errors = [
+        run_distributed("tests.hf_workers:load_error_worker", 1, folder=str(folder))[0] for folder in (missing, wrong)
+    ]
+    assert "tensor 'model.layers.1.self_attn.k_proj.bias' is missing" in errors[0], errors[0]
+    assert "model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight gives shape (192, 64)" in errors[1]
+    assert "(160, 64)" in errors[1], errors[1]
+    # The intact folder loads (the control for both).
+    assert run_distributed("tests.hf_workers:load_error_worker", 1, folder=str(folders["qwen2"]))[0] is None

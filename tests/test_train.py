@@ -189,3 +189,41 @@ def test_users_jsonl_data(tmp_path):
 
     with pytest.raises(ConfigError, match="has no field 'body'"):
         prepare_run(compose_config(None, [*SMALL, "data=jsonl", f"data.path={path}", "data.text_field=body"]), 1)
+
+
+@pytest.mark.slow
+def test_fine_tune_a_hugging_face_checkpoint_and_export_it(tmp_path):
+    """model.hf_path: the checkpoint's weights, tokenizer and chat template; export at the end loads in
+    transformers, with the tokenizer files, and differs from the starting weights (it trained)."""
+    import torch
+    import transformers
+
+    from .hf_models import make_chat_model
+
+    source = make_chat_model(tmp_path / "hf")
+    out = tmp_path / "exported"
+    proc = train(
+        tmp_path / "run",
+        f"model.hf_path={source}",
+        f"training.export_dir={out}",
+        "training.steps=3",
+        "data.max_sample_tokens=1024",
+        "sequence_packing.train_mb_tokens=2048",
+        "data.long_samples=truncate",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from safetensors import safe_open
+
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        assert f"loaded {len(list(f.keys()))} tensors from {source}" in proc.stdout  # every one, once
+    assert "model.num_attention_heads=2 is ignored" in proc.stderr  # the config.json of model.hf_path wins
+    info = json.loads(next(line for line in proc.stdout.splitlines() if '"tokenizer": "' in line).split("data: ")[1])
+    assert info["tokenizer"] == str(source) and info["vocab_size"] == 384
+    rows = metrics(tmp_path / "run")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
+    tokens = torch.tensor([[5, 100, 7, 300, 42]])
+    with torch.no_grad():
+        before = transformers.AutoModelForCausalLM.from_pretrained(source).eval()(tokens).logits
+        after = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(tokens).logits
+    assert (after - before).abs().max() > 1e-3

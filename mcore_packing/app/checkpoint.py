@@ -1,8 +1,10 @@
 """`Checkpointer`: when to save, where, and how to resume a run at the exact next sample.
 
 Format: one ``torch.save`` file per rank under ``<checkpoint_dir>/step_NNNNNN/`` with the model shard,
-the optimizer, the sampler position and the RNG state, and a ``latest`` pointer. It resumes on the same
-parallel layout only; the loop talks to this class alone, so the format can change without touching it.
+the optimizer, the sampler position and the RNG state, plus what export needs (the rank's place in the
+TP/PP/DP layout, its layers' global numbers, the model shape and ``model.hf_path``), and a ``latest``
+pointer. It resumes on the same parallel layout only; the loop talks to this class alone, so the format
+can change without touching it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,22 @@ from .model_setup import TrainingSetup
 __all__ = ["Checkpointer"]
 
 
+def _layout(model) -> dict:
+    """This rank's place in the parallel layout and the global number of each of its layers."""
+    from megatron.core import parallel_state as ps
+
+    module = getattr(model, "module", model)
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_world_size(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "pp_size": ps.get_pipeline_model_parallel_world_size(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "cp_rank": ps.get_context_parallel_rank(),
+        "layer_numbers": [layer.layer_number - 1 for layer in module.decoder.layers],
+    }
+
+
 class Checkpointer:
     """Saves every ``training.save_interval`` steps and at the end; `load_latest` resumes."""
 
@@ -24,6 +42,7 @@ class Checkpointer:
         self.folder = Path(cfg.training.checkpoint_dir or os.path.join(cfg.run_dir, "checkpoints"))
         self.interval = cfg.training.save_interval
         self.rank = rank
+        self.hf_path = cfg.model.hf_path
 
     def due(self, step: int, last_step: int) -> bool:
         """Save after ``step``: on the interval, and after the last step."""
@@ -41,6 +60,9 @@ class Checkpointer:
             "optimizer": setup.optimizer.state_dict(),
             "sampler": sampler.state_dict(),
             "torch_rng": torch.get_rng_state(),
+            "layout": _layout(setup.model),
+            "model_shape": setup.shape.to_dict(),
+            "hf_path": self.hf_path,
         }
         torch.save(state, folder / f"rank{self.rank:05d}.pt")
         dist.barrier()

@@ -17,7 +17,9 @@ import dataclasses
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..data.sft import LONG_SAMPLE_POLICIES
 from ..planning import BALANCES, ORDERS, CostModel, ModelShape, StepPlanConfig
+from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..validators import require_choice, require_positive_int
 
 __all__ = [
@@ -55,13 +57,24 @@ def _choice(group: str, obj, name: str, choices) -> None:
 
 @dataclass
 class ModelConfig:
+    hf_path: str | None = None  # a Hugging Face model folder: its config.json, weights and tokenizer win
+    family: str = "gpt"  # gpt (Megatron defaults, random init) | llama | mistral | qwen2 | qwen3
     num_layers: int = 2
     hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: int | None = None
     ffn_hidden_size: int | None = None
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
     normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
     gated_mlp: bool = False  # SwiGLU MLP (Llama, Qwen); false: GELU
+    rotary_base: float = 10000.0
+    rope_scaling_factor: float | None = None  # Llama-3 RoPE scaling
+    linear_bias: bool = True
+    qkv_bias: bool = False  # Qwen2
+    qk_norm: bool = False  # Qwen3
+    tie_embeddings: bool = False
+    vocab_size: int | None = None  # None: the data's (compact) vocabulary
     max_sequence_length: int = 4096
     dtype: str = "float32"  # float32 | bfloat16
     attention_backend: str = "auto"  # auto | te | local
@@ -69,15 +82,24 @@ class ModelConfig:
     def __post_init__(self):
         _choice("model", self, "dtype", ("float32", "bfloat16"))
         _choice("model", self, "attention_backend", ("auto", "te", "local"))
-        self.shape(vocab_size=1)  # the shape's own checks, named model.<key>
+        self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
-    def shape(self, vocab_size: int) -> ModelShape:
-        """The model's `ModelShape` with the data's vocabulary size."""
+    def declared_shape(self, vocab_size: int) -> ModelShape:
+        """The shape these fields describe (``vocab_size`` unless the config sets one)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape) if f.name != "vocab_size"}
         try:
-            return ModelShape(vocab_size=vocab_size, **fields)
+            return ModelShape(vocab_size=self.vocab_size or vocab_size, **fields)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+
+    def shape(self, vocab_size: int) -> ModelShape:
+        """The model's `ModelShape`: the checkpoint's config.json with ``hf_path``, else these fields."""
+        if self.hf_path is None:
+            return self.declared_shape(vocab_size)
+        try:
+            return shape_from_hf_config(read_hf_config(self.hf_path))
+        except (ValueError, FileNotFoundError) as exc:
+            raise ConfigError(f"model.hf_path: {exc}") from None
 
 
 @dataclass
@@ -88,13 +110,13 @@ class DataConfig:
     encoding: str = "qwen3"  # quicktok bundled vocabulary
     vocab_size: int = 4096  # compact vocabulary: most frequent tokens + <unk>
     num_samples: int | None = 512  # use the first N samples (None: all)
-    long_samples: str = "split"  # split | drop | error, for samples above max_sample_tokens
+    long_samples: str | None = None  # drop | truncate | split | error; null: drop conversations, split text
     max_sample_tokens: int = 2048
     learn_prompt: bool = False  # CHAMP: also learn System/User turns
 
     def __post_init__(self):
         _choice("data", self, "source", ("champ", "jsonl"))
-        _choice("data", self, "long_samples", ("split", "drop", "error"))
+        _choice("data", self, "long_samples", (None, *LONG_SAMPLE_POLICIES))
         _positive("data", self, "vocab_size", "max_sample_tokens")
         _positive("data", self, "num_samples", allow_none=True)
         if self.source == "jsonl" and not self.path:
@@ -171,6 +193,7 @@ class TrainingConfig:
     balance: str = "cost"  # cost (attention-aware) | tokens | round_robin: micro-batches to DP ranks
     save_interval: int = 0  # steps between checkpoints (0: only at the end)
     checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
+    export_dir: str | None = None  # after the last step, write a Hugging Face folder here (needs model.family)
 
     def __post_init__(self):
         _positive("training", self, "global_batch_size", "steps", "padded_micro_batch_rows")

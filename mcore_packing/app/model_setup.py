@@ -10,6 +10,7 @@ import os
 import socket
 from dataclasses import dataclass
 
+from ..planning import ModelShape
 from .config import TrainConfig
 
 __all__ = ["TrainingSetup", "default_device", "device_context", "init_distributed", "setup_training"]
@@ -27,6 +28,7 @@ class TrainingSetup:
     device: object
     rank: int
     world_size: int
+    shape: ModelShape
 
 
 def init_distributed(backend: str = "auto") -> None:
@@ -69,20 +71,22 @@ def device_context(device):
     return cpu_device_adapter() if device.type == "cpu" else contextlib.nullcontext()
 
 
-def setup_training(cfg: TrainConfig, vocab_size: int) -> TrainingSetup:
-    """Distributed start, parallel groups, the GPTModel for ``cfg.model`` and an AdamW over its parameters.
-    Call inside `device_context`."""
+def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
+    """Distributed start, parallel groups, the GPTModel of ``shape`` (with the weights of
+    ``model.hf_path`` when set) and an AdamW over its parameters. Call inside `device_context`."""
     import torch
     import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
     from ..megatron import ParallelGroups, build_gpt_model, initialize_parallel
+    from ..megatron.hf_weights import load_hf_weights
 
     par = cfg.parallel
     init_distributed(cfg.cluster.backend)
     initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, seed=cfg.training.seed)
     device = default_device()
     model, _ = build_gpt_model(
-        cfg.model.shape(vocab_size),
+        shape,
         tp=par.tp,
         pp=par.pp,
         cp=par.cp,
@@ -93,6 +97,12 @@ def setup_training(cfg: TrainConfig, vocab_size: int) -> TrainingSetup:
         seed=cfg.training.seed,
         device=device,
     )
+    if cfg.model.hf_path is not None:
+        stats = load_hf_weights(
+            model, shape, cfg.model.hf_path, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=par.tp
+        )
+        if dist.get_rank() == 0:
+            print(f"[rank 0] loaded {stats['tensors_read']} tensors from {cfg.model.hf_path}", flush=True)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
     return TrainingSetup(
@@ -103,4 +113,5 @@ def setup_training(cfg: TrainConfig, vocab_size: int) -> TrainingSetup:
         device=device,
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
+        shape=shape,
     )

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..data.sft import SftData, load_sft_data
-from ..planning import StepPlanConfig, plan_step
+from ..planning import ModelShape, StepPlanConfig, plan_step
 from .checkpoint import Checkpointer
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
@@ -36,7 +36,7 @@ log = logging.getLogger("mcore_packing.train")
 def load_data(cfg: TrainConfig) -> SftData:
     """The run's samples; data problems (a missing file or field) are config errors (exit 2)."""
     try:
-        return load_sft_data(**asdict(cfg.data))
+        return load_sft_data(**asdict(cfg.data), tokenizer_path=cfg.model.hf_path)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data: {exc}") from None
 
@@ -50,19 +50,53 @@ class RunInputs:
     step_config: StepPlanConfig
     data: SftData
     lengths: list[int]
+    shape: ModelShape
 
 
-def prepare_run(cfg: TrainConfig, world_size: int) -> RunInputs:
+def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> RunInputs:
     """Every check that needs no Megatron, in the order a user fixes them (errors come in a second)."""
     dp = validate_layout(cfg, world_size)
     step_config = plan_config(cfg, dp)
+    if cfg.model.family != "gpt" and cfg.model.hf_path is None and not dry_run:
+        raise ConfigError(
+            f"model.family={cfg.model.family} describes a pretrained model: set model.hf_path=/path/to/hf_folder "
+            "(its config.json, *.safetensors and tokenizer.json) to start from its weights. --dry-run works without."
+        )
+    if cfg.training.export_dir and cfg.model.shape(1).family == "gpt":
+        raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
     if cfg.resume:
         Checkpointer(cfg, rank=0).latest()
     data = load_data(cfg)
+    shape = cfg.model.shape(data.vocab_size)
+    _warn_ignored_model_keys(cfg, shape)
     lengths = [len(s) for s in data.samples]
+    _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
     GlobalBatchSampler(len(lengths), cfg.training.global_batch_size, cfg.training.seed)  # batch <= data set
-    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths)
+    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths, shape=shape)
+
+
+def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
+    """With model.hf_path the checkpoint's config.json defines the model: say which set keys lose."""
+    if cfg.model.hf_path is None:
+        return
+    declared = cfg.model.declared_shape(shape.vocab_size)
+    for key, value in declared.to_dict().items():
+        if value != getattr(shape, key) and key != "family":
+            warnings.warn(
+                f"model.{key}={value} is ignored: {cfg.model.hf_path}/config.json says {getattr(shape, key)}.",
+                stacklevel=2,
+            )
+
+
+def _check_vocab(cfg: TrainConfig, data: SftData, shape: ModelShape) -> None:
+    largest = max(int(s.tokens.max()) for s in data.samples)
+    if largest >= shape.vocab_size:
+        raise ConfigError(
+            f"the data has token id {largest} but the model's vocabulary is {shape.vocab_size}: the tokenizer "
+            f"({data.info['tokenizer']}) does not belong to this model. Tokenize with the model's own "
+            "(model.hf_path) or raise model.vocab_size."
+        )
 
 
 def train(cfg: TrainConfig) -> dict:
@@ -72,7 +106,7 @@ def train(cfg: TrainConfig) -> dict:
     sampler = GlobalBatchSampler(len(data.samples), cfg.training.global_batch_size, cfg.training.seed)
     summary = {"losses": [], "steps": [], "sample_ids": [], "mode": step_config.mode}
     with device_context(default_device()):
-        setup = setup_training(cfg, data.vocab_size)
+        setup = setup_training(cfg, inputs.shape)
         _announce(cfg, setup, data, step_config.mode)
         summary["rank"] = setup.rank
         checkpointer = Checkpointer(cfg, setup.rank)
@@ -90,7 +124,25 @@ def train(cfg: TrainConfig) -> dict:
             if checkpointer.due(step, cfg.training.steps):
                 checkpointer.save(step, setup, sampler)
         metrics.close()
+    if cfg.training.export_dir:
+        _export_at_end(cfg, checkpointer, setup.rank)
     return summary
+
+
+def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:
+    """Rank 0 writes the Hugging Face folder from the last checkpoint (every rank wrote its shard)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        from .export_command import export_checkpoint
+
+        out = export_checkpoint(checkpointer.latest(), cfg.training.export_dir, dtype=_export_dtype(cfg))
+        log.info("exported a Hugging Face folder to %s", out)
+    dist.barrier()
+
+
+def _export_dtype(cfg: TrainConfig) -> str:
+    return "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
 
 
 def _announce(cfg: TrainConfig, setup, data: SftData, mode: str) -> None:
@@ -108,7 +160,7 @@ def _announce(cfg: TrainConfig, setup, data: SftData, mode: str) -> None:
 def dry_run(cfg: TrainConfig) -> dict:
     """Validate for the config's cluster size and plan the first global batch; no GPU, no torch."""
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    inputs = prepare_run(cfg, world)
+    inputs = prepare_run(cfg, world, dry_run=True)
     sampler = GlobalBatchSampler(len(inputs.lengths), cfg.training.global_batch_size, cfg.training.seed)
     batch = [inputs.lengths[i] for i in sampler.next_batch()]
     plan = plan_step(batch, inputs.step_config)

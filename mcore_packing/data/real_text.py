@@ -24,6 +24,7 @@ __all__ = [
     "champ_conversation_texts",
     "champ_conversations",
     "get_tokenizer",
+    "read_jsonl_field",
     "read_jsonl_texts",
     "real_corpus_lengths",
     "stdlib_source_texts",
@@ -111,7 +112,12 @@ def real_corpus_lengths(corpus: str, encoding: str = DEFAULT_ENCODING) -> np.nda
 
 
 def read_jsonl_texts(path: str, field: str) -> list[str]:
-    """The ``field`` of every record of a JSONL file; errors name the file, line and fix."""
+    """The ``field`` of every record of a JSONL file, as text; errors name the file, line and fix."""
+    return [str(value) for value in read_jsonl_field(path, field)]
+
+
+def read_jsonl_field(path: str, field: str) -> list:
+    """The ``field`` of every record of a JSONL file as stored (text, or a list of chat messages)."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"JSONL file {path!r} does not exist.")
@@ -128,7 +134,7 @@ def read_jsonl_texts(path: str, field: str) -> list[str]:
                 raise ValueError(
                     f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set the field name."
                 )
-            texts.append(str(record[field]))
+            texts.append(record[field])
     if not texts:
         raise ValueError(f"{path} holds no records; the data set is empty.")
     return texts

@@ -1,30 +1,41 @@
 """SFT samples from real text: token ids and a loss mask per sample, ready for packing.
 
-Sources: the bundled CHAMP conversations (learn the model turns; system and user turns are masked out
-unless ``learn_prompt``) or a user JSONL file with a text field (every token learned).
+Sources: the bundled CHAMP conversations, or a user JSONL file whose ``text_field`` holds either plain
+text (every token learned) or a conversation: a list of ``{"role": ..., "content": ...}`` messages.
+In conversations only the assistant's turns are learned (CHAMP: the "Model..." turns) unless
+``learn_prompt``.
 
-Tokens come from quicktok's bundled vocabulary, then map to a *compact* vocabulary: the
-``vocab_size - 1`` most frequent ids of the loaded samples keep a slot, the rest share ``<unk>`` (id 0).
-That keeps the demo model's embedding and output layer small; it changes which ids the model sees,
-never how many tokens a sample has.
+Tokenizers:
+- ``tokenizer_path`` (the model's Hugging Face folder, `hf_tokenizer.ChatTokenizer`): the checkpoint's
+  own ``tokenizer.json``; conversations go through its chat template, so training text is tokenized as
+  the model expects. The model's vocabulary is the checkpoint's.
+- otherwise the bundled ``quicktok`` vocabulary, mapped to a *compact* vocabulary (the ``vocab_size - 1``
+  most frequent ids keep a slot, the rest share ``<unk>``, id 0) so a tiny demo model stays small;
+  conversations are rendered as ``role: text`` lines. It changes which ids the model sees, never how many
+  tokens a sample has.
 
-Samples longer than ``max_sample_tokens``: ``split`` into consecutive pieces (no token lost),
-``drop`` (counted and reported), or ``error``.
+Samples longer than ``max_sample_tokens`` (``long_samples``):
+- ``drop`` (the default for conversations): counted and reported;
+- ``truncate`` (conversations): keep the turns up to the last assistant turn that fits;
+- ``split`` (the default for plain text): consecutive pieces, no token lost. Refused for conversations,
+  whose pieces would lose their prompt;
+- ``error``: refuse the data set.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from .real_text import champ_conversations, get_tokenizer, read_jsonl_texts
+from .real_text import champ_conversations, get_tokenizer, read_jsonl_field
 from .sample import SequenceSample
 
-__all__ = ["SftData", "load_sft_data"]
+__all__ = ["LONG_SAMPLE_POLICIES", "SftData", "load_sft_data"]
 
 UNK_ID = 0
+LONG_SAMPLE_POLICIES = ("drop", "truncate", "split", "error")
 
 
 @dataclass(frozen=True)
@@ -34,56 +45,92 @@ class SftData:
     info: dict
 
 
-def _champ_segments(learn_prompt: bool) -> list[list[tuple[str, bool]]]:
-    return [
-        [(f"{role}: {text}\n", learn_prompt or role.startswith("Model")) for role, text in turns]
-        for turns in champ_conversations()
-    ]
+@dataclass
+class _Encoded:
+    """One record after tokenization: ids, learned flags, token counts after each assistant turn."""
+
+    ids: list[int]
+    mask: list[float]
+    assistant_ends: list[int] = field(default_factory=list)
+    conversation: bool = True
 
 
-def _jsonl_segments(path: str, field: str) -> list[list[tuple[str, bool]]]:
-    return [[(text, True)] for text in read_jsonl_texts(path, field)]
+def _role(name: str) -> str:
+    """CHAMP's roles ("System", "User", "Model.GPT-4", "Imputation") as chat roles."""
+    return "assistant" if name.startswith("Model") else "system" if name == "System" else "user"
 
 
-def _tokenize(records, encoding: str) -> tuple[list[list[int]], list[list[float]]]:
-    """Token ids and a per-token learned flag of every record (records without tokens are left out)."""
-    tokenizer = get_tokenizer(encoding)
-    encode = tokenizer.encode_ordinary if hasattr(tokenizer, "encode_ordinary") else tokenizer.encode
-    token_lists, mask_lists = [], []
-    for segments in records:
-        ids, mask = [], []
-        for text, learned in segments:
-            piece = encode(text)
-            ids.extend(piece)
-            mask.extend([1.0 if learned else 0.0] * len(piece))
-        if ids:
-            token_lists.append(ids)
-            mask_lists.append(mask)
-    return token_lists, mask_lists
+def _records(source: str, path: str | None, text_field: str) -> list:
+    """Conversations (lists of {"role", "content"}) or plain texts."""
+    if source == "champ":
+        return [[{"role": _role(r), "content": t} for r, t in turns] for turns in champ_conversations()]
+    if source != "jsonl":
+        raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
+    records = read_jsonl_field(path, text_field)
+    for i, record in enumerate(records):
+        if isinstance(record, list) and not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in record):
+            raise ValueError(f"{path}: record {i} is a list but not of {{'role', 'content'}} messages.")
+    return [r if isinstance(r, list) else str(r) for r in records]
 
 
-def _limit_lengths(token_lists, mask_lists, remap, long_samples: str, max_sample_tokens: int):
-    """Samples in the compact vocabulary, long ones split, dropped or refused; returns (samples, split, dropped)."""
-    samples: list[SequenceSample] = []
-    dropped = split = 0
-    for ids, mask in zip(token_lists, mask_lists, strict=True):
-        compact = np.fromiter((remap.get(t, UNK_ID) for t in ids), dtype=np.int64, count=len(ids))
-        mask_arr = np.asarray(mask, dtype=np.float32)
-        if len(ids) <= max_sample_tokens:
-            samples.append(SequenceSample(compact, mask_arr))
-            continue
-        if long_samples == "error":
-            raise ValueError(
-                f"A sample has {len(ids)} tokens, over data.max_sample_tokens={max_sample_tokens}. Raise it, or set "
-                "data.long_samples=split (keeps every token in pieces) or drop."
-            )
-        if long_samples == "drop":
-            dropped += 1
-            continue
-        split += 1
-        for lo in range(0, len(ids), max_sample_tokens):
-            samples.append(SequenceSample(compact[lo : lo + max_sample_tokens], mask_arr[lo : lo + max_sample_tokens]))
-    return samples, split, dropped
+def _encode_compact(record, encode, learn_prompt: bool) -> _Encoded:
+    if isinstance(record, str):
+        ids = encode(record)
+        return _Encoded(ids, [1.0] * len(ids), conversation=False)
+    out = _Encoded([], [])
+    for message in record:
+        piece = encode(f"{message['role']}: {message['content']}\n")
+        learned = learn_prompt or message["role"] == "assistant"
+        out.ids += piece
+        out.mask += [1.0 if learned else 0.0] * len(piece)
+        if message["role"] == "assistant":
+            out.assistant_ends.append(len(out.ids))
+    return out
+
+
+def _encode_chat(record, tokenizer, learn_prompt: bool) -> _Encoded:
+    if isinstance(record, str):
+        ids = tokenizer.encode(record)
+        return _Encoded(ids, [1.0] * len(ids), conversation=False)
+    ids, mask, ends = tokenizer.encode_conversation(record)
+    if learn_prompt:
+        mask = [1.0] * len(ids)
+    return _Encoded(ids, mask, [e for e, m in zip(ends, record, strict=True) if m["role"] == "assistant"])
+
+
+def _fit(record: _Encoded, policy: str | None, limit: int) -> tuple[list[tuple[list, list]], str | None]:
+    """The pieces a record becomes under the long-sample policy, and what happened (None if it fit)."""
+    if len(record.ids) <= limit:
+        return [(record.ids, record.mask)], None
+    policy = policy or ("drop" if record.conversation else "split")
+    if policy == "error":
+        raise ValueError(
+            f"A sample has {len(record.ids)} tokens, over data.max_sample_tokens={limit}. Raise it, or set "
+            "data.long_samples=drop, truncate (conversations) or split (plain text)."
+        )
+    if policy == "split" and record.conversation:
+        raise ValueError(
+            "data.long_samples=split would cut conversations into pieces that lose their prompt. Use drop or "
+            "truncate (keeps whole turns up to the last assistant reply that fits)."
+        )
+    if policy == "truncate" and not record.conversation:
+        raise ValueError("data.long_samples=truncate keeps whole turns of conversations; for plain text use split.")
+    if policy == "split":
+        return [
+            (record.ids[lo : lo + limit], record.mask[lo : lo + limit]) for lo in range(0, len(record.ids), limit)
+        ], "split"
+    if policy == "truncate":
+        ends = [e for e in record.assistant_ends if e <= limit]
+        if ends:
+            return [(record.ids[: ends[-1]], record.mask[: ends[-1]])], "truncated"
+    return [], "dropped"
+
+
+def _compact_vocab(encoded: list[_Encoded], vocab_size: int) -> tuple[dict, float]:
+    counts = Counter(t for r in encoded for t in r.ids)
+    remap = {t: i + 1 for i, (t, _) in enumerate(counts.most_common(vocab_size - 1))}
+    total = sum(counts.values())
+    return remap, (sum(c for t, c in counts.items() if t not in remap) / total if total else 0.0)
 
 
 def load_sft_data(
@@ -94,39 +141,50 @@ def load_sft_data(
     encoding: str = "qwen3",
     vocab_size: int = 4096,
     num_samples: int | None = None,
-    long_samples: str = "split",
+    long_samples: str | None = None,
     max_sample_tokens: int = 2048,
     learn_prompt: bool = False,
+    tokenizer_path: str | None = None,
 ) -> SftData:
-    """Load, tokenize, compact the vocabulary and handle long samples (see the module docstring)."""
-    if source == "champ":
-        records = _champ_segments(learn_prompt)
-    elif source == "jsonl":
-        records = _jsonl_segments(path, text_field)
-    else:
-        raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
+    """Load, tokenize and apply the long-sample policy (see the module docstring)."""
+    records = _records(source, path, text_field)
     if num_samples is not None and num_samples < len(records):
         # Evenly spaced over the corpus (CHAMP is ordered by problem), deterministic.
         picks = np.linspace(0, len(records) - 1, num_samples).round().astype(int)
         records = [records[i] for i in picks]
-    token_lists, mask_lists = _tokenize(records, encoding)
-    counts = Counter(t for ids in token_lists for t in ids)
-    keep = [t for t, _ in counts.most_common(vocab_size - 1)]
-    remap = {t: i + 1 for i, t in enumerate(keep)}
-    total_tokens = sum(len(ids) for ids in token_lists)
-    samples, split, dropped = _limit_lengths(token_lists, mask_lists, remap, long_samples, max_sample_tokens)
+    if tokenizer_path is not None:
+        from .hf_tokenizer import ChatTokenizer
+
+        tokenizer = ChatTokenizer(tokenizer_path)
+        encoded = [_encode_chat(r, tokenizer, learn_prompt) for r in records]
+        remap, unk_share, vocab_size = None, 0.0, tokenizer.vocab_size
+    else:
+        quick = get_tokenizer(encoding)
+        encode = quick.encode_ordinary if hasattr(quick, "encode_ordinary") else quick.encode
+        encoded = [_encode_compact(r, encode, learn_prompt) for r in records]
+        remap, unk_share = _compact_vocab(encoded, vocab_size)
+    encoded = [r for r in encoded if r.ids]
+    samples, outcomes = [], Counter()
+    for record in encoded:
+        pieces, outcome = _fit(record, long_samples, max_sample_tokens)
+        outcomes[outcome] += 1
+        for ids, mask in pieces:
+            ids = ids if remap is None else [remap.get(t, UNK_ID) for t in ids]
+            samples.append(SequenceSample(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)))
     if not samples:
         raise ValueError("No samples are left after loading; check data.source/path and data.long_samples.")
-    unk = sum(c for t, c in counts.items() if t not in remap)
+    total_tokens = sum(len(r.ids) for r in encoded)
     info = {
         "source": source,
+        "tokenizer": tokenizer_path or f"quicktok:{encoding} (compact)",
         "num_records": len(records),
         "num_samples": len(samples),
         "num_tokens": total_tokens,
-        "long_samples_split": split,
-        "long_samples_dropped": dropped,
+        "long_samples_split": outcomes["split"],
+        "long_samples_truncated": outcomes["truncated"],
+        "long_samples_dropped": outcomes["dropped"],
         "vocab_size": vocab_size,
-        "unk_token_share": unk / total_tokens if total_tokens else 0.0,
-        "learned_token_share": float(np.mean(np.concatenate([np.asarray(m) for m in mask_lists]))),
+        "unk_token_share": unk_share,
+        "learned_token_share": float(np.mean(np.concatenate([np.asarray(r.mask) for r in encoded]))),
     }
     return SftData(samples=samples, vocab_size=vocab_size, info=info)

@@ -1,0 +1,105 @@
+"""A Hugging Face checkpoint's own tokenizer and chat template, without transformers.
+
+`ChatTokenizer(folder)` reads ``tokenizer.json`` with the `tokenizers` library and the chat template from
+``tokenizer_config.json`` (or ``chat_template.jinja``), rendered with a sandboxed jinja2 environment like
+the one transformers uses (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``, ``tojson``,
+``strftime_now``).
+
+Which tokens are learned: the whole conversation is rendered once and tokenized once; each assistant
+message's text is located by rendering the conversation up to it with ``add_generation_prompt=True``
+(everything before the reply) and up to and including it (the reply and its end-of-turn tokens). Tokens
+whose characters fall inside those spans are learned (loss mask 1), everything else (system, user,
+template scaffolding) is not. Token boundaries come from one tokenization, so no token is split or
+counted twice.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+__all__ = ["ChatTokenizer"]
+
+
+class ChatTokenizer:
+    """Tokenizer and chat template of a Hugging Face model folder."""
+
+    def __init__(self, folder: str | Path):
+        from tokenizers import Tokenizer
+
+        self.folder = Path(folder)
+        path = self.folder / "tokenizer.json"
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist: training from model.hf_path tokenizes with the checkpoint's own "
+                "tokenizer.json (saved by the Hugging Face tokenizer's save_pretrained)."
+            )
+        self.tokenizer = Tokenizer.from_file(str(path))
+        config_path = self.folder / "tokenizer_config.json"
+        self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = self.folder / "chat_template.jinja"
+        self.chat_template = template_path.read_text() if template_path.is_file() else self.config.get("chat_template")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def _token(self, key: str) -> str:
+        value = self.config.get(key)
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of plain text (no special tokens added)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The chat template applied to ``messages`` (``[{"role": ..., "content": ...}, ...]``)."""
+        if not self.chat_template:
+            raise ValueError(
+                f"{self.folder} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
+                "conversation data needs one. Use a chat/instruct checkpoint or plain-text data."
+            )
+        return (
+            _environment()
+            .from_string(self.chat_template)
+            .render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._token("bos_token"),
+                eos_token=self._token("eos_token"),
+            )
+        )
+
+    def encode_conversation(self, messages: list[dict]) -> tuple[list[int], list[float], list[int]]:
+        """``(ids, loss_mask, turn_ends)``: the rendered conversation's tokens, 1.0 on the assistant's
+        tokens, and the token count after each message (for truncation at a turn boundary)."""
+        text = self.render(messages)
+        spans, ends = [], []
+        for i, message in enumerate(messages):
+            through = self.render(messages[: i + 1])
+            if message["role"] == "assistant":
+                before = self.render(messages[:i], add_generation_prompt=True)
+                if not (text.startswith(before) and text.startswith(through)):
+                    raise ValueError(
+                        "the chat template does not render conversations prefix by prefix (message "
+                        f"{i}); the assistant's tokens cannot be located. Use plain-text data or another template."
+                    )
+                spans.append((len(before), len(through)))
+            ends.append(len(through))
+        encoding = self.tokenizer.encode(text, add_special_tokens=False)
+        mask = [1.0 if any(a <= start and stop <= b for a, b in spans) else 0.0 for start, stop in encoding.offsets]
+        turn_ends = [sum(1 for _, stop in encoding.offsets if stop <= end) for end in ends]
+        return encoding.ids, mask, turn_ends
+
+
+def _environment():
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise ValueError(f"chat template: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env
