@@ -8,6 +8,8 @@ packed THD rows. A converter with gate and up swapped must fail the same compari
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -168,3 +170,15 @@ def test_bad_checkpoints_fail_before_training_naming_the_tensor(checkpoints, tmp
     assert "(160, 64)" in errors[1], errors[1]
     # The intact folder loads (the control for both).
     assert run_distributed("tests.hf_workers:load_error_worker", 1, folder=str(folders["qwen2"]))[0] is None
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_parameter_count_of_the_shape_equals_the_checkpoints(checkpoints, family):
+    from safetensors import safe_open
+
+    from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
+
+    folders, _ = checkpoints
+    with safe_open(str(folders[family] / "model.safetensors"), framework="pt") as f:
+        stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    assert shape_from_hf_config(read_hf_config(folders[family])).num_parameters() == stored

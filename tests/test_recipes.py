@@ -83,3 +83,43 @@ def test_apply_packing_is_pure_and_idempotent():
     assert apply_packing(apply_packing(llama3_8b_sft_packed())) == apply_packing(llama3_8b_sft_packed())
     with pytest.raises(ValueError, match="Valid names"):
         apply_packing(base, algorithm="magic")
+
+
+# Parameter counts from the models' own cards / safetensors index (an independent source).
+PUBLISHED_PARAMETERS = {
+    "Llama-3.1-8B": 8_030_261_248,
+    "Llama-3.1-70B": 70_553_706_496,
+    "Llama-3.2-1B": 1_235_814_400,
+    "Qwen2.5-7B": 7_615_616_512,
+    "Qwen3-8B": 8_190_735_360,
+    "Qwen3-0.6B": 596_049_920,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMETERS))
+def test_recipes_are_the_models_they_name(name):
+    from mcore_packing.app.recipes import family_model
+
+    shape = family_model(name).declared_shape(1)
+    assert shape.num_parameters() == PUBLISHED_PARAMETERS[name]
+
+
+def test_family_recipes_use_the_real_architecture():
+    llama, qwen2, qwen3 = (
+        RECIPES[n]().model for n in ("llama3_8b_sft_packed", "qwen2_7b_grpo_cp", "qwen3_8b_sft_packed")
+    )
+    assert (llama.family, llama.gated_mlp, llama.rotary_base, llama.rope_scaling_factor) == ("llama", True, 5e5, 8.0)
+    assert qwen2.qkv_bias and not qwen2.linear_bias and qwen2.vocab_size == 152064
+    assert qwen3.qk_norm and qwen3.declared_shape(1).head_size == 128 and not qwen3.tie_embeddings
+    assert RECIPES["qwen3_0_6b_sft_single_gpu"]().model.tie_embeddings
+
+
+def test_a_real_run_of_a_family_recipe_needs_the_checkpoint(tmp_path):
+    from mcore_packing.app.config import ConfigError
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    cfg = compose_config("qwen3_0_6b_sft_single_gpu", [f"run_dir={tmp_path}", "data.num_samples=64"])
+    with pytest.raises(ConfigError, match=r"set model\.hf_path=/path/to/hf_folder"):
+        prepare_run(cfg, 1)
+    assert prepare_run(cfg, 1, dry_run=True).shape.num_parameters() == PUBLISHED_PARAMETERS["Qwen3-0.6B"]

@@ -1,8 +1,10 @@
-"""NeMo-style recipes: plain functions that return a complete, validated-shape `TrainConfig`.
+"""NeMo-style recipes: plain functions that return a complete, validated `TrainConfig`.
 
-Each takes ``num_nodes`` and ``gpus_per_node`` and picks a parallel layout that fits them. Recipes use
-the bundled CHAMP conversations so ``--dry-run`` works anywhere; point ``data=jsonl data.path=...`` at
-your data for a real run.
+Each takes ``num_nodes`` and ``gpus_per_node`` and picks a parallel layout that fits them. The model is
+the real family it names (built from the published config.json fields in `HF_CONFIGS`); a real run
+starts from its Hugging Face checkpoint, ``model.hf_path=/path/to/folder`` (a run without it is an error
+naming the key; ``--dry-run`` works without). Recipes train on the bundled CHAMP conversations, with the
+checkpoint's tokenizer and chat template; point ``data=jsonl data.path=...`` at your data.
 
     from mcore_packing.app.recipes import llama3_8b_sft_packed, apply_packing
     cfg = llama3_8b_sft_packed(num_nodes=2, gpus_per_node=8)
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..packing import resolve_algorithm
+from ..planning.hf_config import shape_from_hf_config
 from .config import (
     ClusterConfig,
     DataConfig,
@@ -25,13 +28,63 @@ from .config import (
 )
 
 __all__ = [
+    "HF_CONFIGS",
     "RECIPES",
     "apply_packing",
+    "family_model",
     "llama3_8b_sft_packed",
     "llama3_70b_sft_long_context",
+    "llama32_1b_sft_single_gpu",
     "qwen2_7b_grpo_cp",
+    "qwen3_0_6b_sft_single_gpu",
+    "qwen3_8b_sft_packed",
     "tiny_cpu_sft",
 ]
+
+
+# The published config.json fields of each model (one source: the recipes build their ModelConfig from
+# these through the same converter that reads a downloaded checkpoint).
+HF_CONFIGS = {
+    "Llama-3.1-8B": dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(
+                             rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                             original_max_position_embeddings=8192)),
+    "Llama-3.1-70B": dict(model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                          num_attention_heads=64, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                          max_position_embeddings=131072, rope_theta=500000.0, rope_scaling=dict(
+                              rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                              original_max_position_embeddings=8192)),
+    "Llama-3.2-1B": dict(model_type="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rms_norm_eps=1e-5,
+                         max_position_embeddings=131072, tie_word_embeddings=True, rope_theta=500000.0,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "Qwen2.5-7B": dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rms_norm_eps=1e-6,
+                       max_position_embeddings=32768, rope_theta=1000000.0),
+    "Qwen3-8B": dict(model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                     rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0),
+    "Qwen3-0.6B": dict(model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                       rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0,
+                       tie_word_embeddings=True),
+}  # fmt: skip
+
+
+def family_model(name: str, *, max_sequence_length: int | None = None) -> ModelConfig:
+    """The ModelConfig of a published model (bf16; ``model.hf_path`` still to be set by the user)."""
+    shape = shape_from_hf_config(HF_CONFIGS[name])
+    fields = shape.to_dict()
+    if max_sequence_length is not None:
+        fields["max_sequence_length"] = max_sequence_length
+    return ModelConfig(**fields, dtype="bfloat16")
+
+
+def _encoding(model: ModelConfig) -> str:
+    """The bundled vocabulary closest to the family's, for --dry-run without the checkpoint."""
+    return "llama3" if model.family == "llama" else "qwen3"
 
 
 def _cluster(num_nodes: int, gpus_per_node: int, backend: str = "nccl") -> ClusterConfig:
@@ -67,89 +120,117 @@ def tiny_cpu_sft(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
     return TrainConfig(cluster=_cluster(num_nodes, gpus_per_node, "auto"), run_name="tiny-cpu-sft")
 
 
-def llama3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
-    """Llama-3-8B SFT with sequence packing: TP within the node with sequence parallelism, DP across."""
-    tp = _tp_for(gpus_per_node, 4)
+def _family_recipe(
+    name: str,
+    model_name: str,
+    *,
+    parallel: ParallelConfig,
+    packing: SequencePackingConfig,
+    training: TrainingConfig,
+    cluster: ClusterConfig,
+    max_sample_tokens: int,
+) -> TrainConfig:
+    model = family_model(model_name)
+    data = DataConfig(source="champ", encoding=_encoding(model), vocab_size=model.vocab_size, num_samples=None,
+                      max_sample_tokens=max_sample_tokens)  # fmt: skip
     return _fits(
         TrainConfig(
-            model=ModelConfig(
-                num_layers=32,
-                hidden_size=4096,
-                num_attention_heads=32,
-                num_query_groups=8,
-                ffn_hidden_size=14336,
-                normalization="RMSNorm",
-                gated_mlp=True,
-                max_sequence_length=8192,
-                dtype="bfloat16",
-            ),
-            data=DataConfig(source="champ", vocab_size=128256, num_samples=None, max_sample_tokens=8192),
-            sequence_packing=SequencePackingConfig(
-                enabled=True, train_mb_tokens=8192, algorithm="modified_first_fit_decreasing"
-            ),
-            parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
-            training=TrainingConfig(global_batch_size=128, steps=1000, lr=1e-5, weight_decay=0.01),
-            cluster=_cluster(num_nodes, gpus_per_node),
-            run_name="llama3-8b-sft-packed",
+            model=model,
+            data=data,
+            sequence_packing=packing,
+            parallel=parallel,
+            training=training,
+            cluster=cluster,
+            run_name=name,
         )
+    )
+
+
+def llama3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
+    """Llama-3.1-8B SFT with sequence packing: TP within the node with sequence parallelism, DP across."""
+    tp = _tp_for(gpus_per_node, 4)
+    return _family_recipe(
+        "llama3-8b-sft-packed",
+        "Llama-3.1-8B",
+        parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192, algorithm="modified_first_fit_decreasing"),
+        training=TrainingConfig(global_batch_size=128, steps=1000, lr=1e-5, weight_decay=0.01),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=8192,
     )
 
 
 def qwen2_7b_grpo_cp(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
-    """Qwen2.5-7B-style GRPO policy step: long rollouts, CP=2, a larger budget for the logprob pass."""
+    """Qwen2.5-7B policy step at GRPO scale: long rollouts, CP=2, a larger budget for the log-prob pass."""
     tp = _tp_for(gpus_per_node, 4)
-    return _fits(
-        TrainConfig(
-            model=ModelConfig(
-                num_layers=28,
-                hidden_size=3584,
-                num_attention_heads=28,
-                num_query_groups=4,
-                ffn_hidden_size=18944,
-                normalization="RMSNorm",
-                gated_mlp=True,
-                max_sequence_length=32768,
-                dtype="bfloat16",
-            ),
-            data=DataConfig(source="champ", vocab_size=152064, num_samples=None, max_sample_tokens=16384),
-            sequence_packing=SequencePackingConfig(
-                enabled=True,
-                train_mb_tokens=8192,
-                logprob_mb_tokens=16384,
-                algorithm="modified_first_fit_decreasing",
-                microbatch_order="largest_first",
-            ),
-            parallel=ParallelConfig(tp=tp, cp=2, sequence_parallel=tp > 1),
-            training=TrainingConfig(global_batch_size=512, steps=500, lr=1e-6, loss_normalization="token_mean"),
-            cluster=_cluster(num_nodes, gpus_per_node),
-            run_name="qwen2-7b-grpo-cp",
-        )
+    return _family_recipe(
+        "qwen2-7b-grpo-cp",
+        "Qwen2.5-7B",
+        parallel=ParallelConfig(tp=tp, cp=2, sequence_parallel=tp > 1),
+        packing=SequencePackingConfig(
+            enabled=True,
+            train_mb_tokens=8192,
+            logprob_mb_tokens=16384,
+            algorithm="modified_first_fit_decreasing",
+            microbatch_order="largest_first",
+        ),
+        training=TrainingConfig(global_batch_size=512, steps=500, lr=1e-6, loss_normalization="token_mean"),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=16384,
     )
 
 
 def llama3_70b_sft_long_context(num_nodes: int = 8, gpus_per_node: int = 8) -> TrainConfig:
-    """Llama-3-70B long-context SFT: TP8 in a node, PP4 with variable lengths, CP2."""
+    """Llama-3.1-70B long-context SFT: TP8 in a node, PP4 with variable lengths, CP2."""
     tp = _tp_for(gpus_per_node, 8)
-    return _fits(
-        TrainConfig(
-            model=ModelConfig(
-                num_layers=80,
-                hidden_size=8192,
-                num_attention_heads=64,
-                num_query_groups=8,
-                ffn_hidden_size=28672,
-                normalization="RMSNorm",
-                gated_mlp=True,
-                max_sequence_length=32768,
-                dtype="bfloat16",
-            ),
-            data=DataConfig(source="champ", vocab_size=128256, num_samples=None, max_sample_tokens=32768),
-            sequence_packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
-            parallel=ParallelConfig(tp=tp, pp=4, cp=2, sequence_parallel=tp > 1, variable_seq_lengths=True),
-            training=TrainingConfig(global_batch_size=64, steps=500, lr=5e-6),
-            cluster=_cluster(num_nodes, gpus_per_node),
-            run_name="llama3-70b-sft-long-context",
-        )
+    return _family_recipe(
+        "llama3-70b-sft-long-context",
+        "Llama-3.1-70B",
+        parallel=ParallelConfig(tp=tp, pp=4, cp=2, sequence_parallel=tp > 1, variable_seq_lengths=True),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
+        training=TrainingConfig(global_batch_size=64, steps=500, lr=5e-6),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=32768,
+    )
+
+
+def qwen3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
+    """Qwen3-8B SFT with packing: TP within the node with sequence parallelism (QK-norm, head_dim 128)."""
+    tp = _tp_for(gpus_per_node, 4)
+    return _family_recipe(
+        "qwen3-8b-sft-packed",
+        "Qwen3-8B",
+        parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192),
+        training=TrainingConfig(global_batch_size=128, steps=1000, lr=1e-5, weight_decay=0.01),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=8192,
+    )
+
+
+def qwen3_0_6b_sft_single_gpu(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
+    """Qwen3-0.6B SFT on one GPU (or DP over more): packed 16k-token rows, no model parallelism."""
+    return _family_recipe(
+        "qwen3-0.6b-sft",
+        "Qwen3-0.6B",
+        parallel=ParallelConfig(),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
+        training=TrainingConfig(global_batch_size=64, steps=500, lr=1e-5, weight_decay=0.01),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=16384,
+    )
+
+
+def llama32_1b_sft_single_gpu(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
+    """Llama-3.2-1B SFT on one GPU (tied embeddings, Llama-3 RoPE scaling 32)."""
+    return _family_recipe(
+        "llama3.2-1b-sft",
+        "Llama-3.2-1B",
+        parallel=ParallelConfig(),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
+        training=TrainingConfig(global_batch_size=64, steps=500, lr=1e-5, weight_decay=0.01),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=16384,
     )
 
 
@@ -158,6 +239,9 @@ RECIPES = {
     "llama3_8b_sft_packed": llama3_8b_sft_packed,
     "qwen2_7b_grpo_cp": qwen2_7b_grpo_cp,
     "llama3_70b_sft_long_context": llama3_70b_sft_long_context,
+    "qwen3_8b_sft_packed": qwen3_8b_sft_packed,
+    "qwen3_0_6b_sft_single_gpu": qwen3_0_6b_sft_single_gpu,
+    "llama32_1b_sft_single_gpu": llama32_1b_sft_single_gpu,
 }
 
 

@@ -99,5 +99,21 @@ class ModelShape:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    def num_parameters(self) -> int:
+        """Parameters of the unpadded model (embeddings once when tied), as the checkpoint counts them."""
+        h, hd, f = self.hidden_size, self.head_size, self.ffn_size
+        q, kv = self.num_attention_heads * hd, self.kv_heads * hd
+        attention = h * (q + 2 * kv) + q * h
+        if self.qkv_bias or self.linear_bias:
+            attention += q + 2 * kv
+        mlp = (3 if self.gated_mlp else 2) * h * f
+        if self.linear_bias:
+            attention += h
+            mlp += ((2 if self.gated_mlp else 1) * f) + h
+        norm = h if self.normalization == "RMSNorm" else 2 * h
+        layer = attention + mlp + 2 * norm + (2 * hd if self.qk_norm else 0)
+        embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        return self.num_layers * layer + embeddings + norm
+
     def to_dict(self) -> dict:
         return asdict(self)
