@@ -58,7 +58,9 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
         plan = plan_step(lengths, config, forward_only=True)
         samples = [SequenceSample(s) for s in sequences]
         out["logprobs"] = compute_logprobs(model, samples, plan, ParallelGroups.from_megatron())
-    return out if rank == 0 else None
+    if rank != 0:
+        return {"stats": stats}
+    return out
 
 
 def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequences=None):

@@ -74,6 +74,18 @@ def test_tensor_and_pipeline_parallel_imports_match(checkpoints, family, tp, pp)
 
 
 @pytest.mark.multirank
+def test_tp2_pp2_together(checkpoints):
+    folders, references = checkpoints
+    results = run_distributed(
+        "tests.hf_workers:logits_worker", 4, folder=str(folders["qwen3"]), sequences=SEQUENCES, tp=2, pp=2
+    )
+    errors = check(results[0], references["qwen3"])
+    assert errors["logprobs"] <= RTOL, errors
+    # Stage 0: the embedding and layer 0 (11 tensors); stage 1: layer 1, final norm, lm_head. Never all 25.
+    assert sorted(r["stats"]["tensors_read"] for r in results) == [12, 12, 13, 13]
+
+
+@pytest.mark.multirank
 def test_negative_control_swapped_gate_and_up_is_caught(checkpoints):
     folders, references = checkpoints
     result = run_distributed(

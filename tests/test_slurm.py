@@ -17,10 +17,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = [
     "training.steps=2",
     "data.num_samples=48",
-    "data.max_sample_tokens=256",
+    "data.max_sample_tokens=1024",
+    "data.long_samples=truncate",
     "data.vocab_size=1024",
     "training.global_batch_size=8",
-    "sequence_packing.train_mb_tokens=512",
+    "sequence_packing.train_mb_tokens=1024",
     "model.hidden_size=64",
     "logging.progress_bar=false",
 ]

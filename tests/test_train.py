@@ -17,12 +17,13 @@ SMALL = [
     "model.num_query_groups=1",
     "model.ffn_hidden_size=128",
     "data.num_samples=48",
-    "data.max_sample_tokens=256",
+    "data.max_sample_tokens=1024",
+    "data.long_samples=truncate",
     "data.vocab_size=1024",
     "training.global_batch_size=8",
     "training.lr=0.01",
-    "sequence_packing.train_mb_tokens=512",
-    "dynamic_batching.train_mb_tokens=512",
+    "sequence_packing.train_mb_tokens=1024",
+    "dynamic_batching.train_mb_tokens=1024",
     "logging.progress_bar=false",
 ]
 
@@ -42,8 +43,10 @@ def train(run_dir: Path, *overrides: str, torchrun: int = 0, env: dict | None = 
         ]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     full_env.pop("RANK", None)
+    given = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    small = [o for o in SMALL if o.split("=", 1)[0] not in given]  # an override replaces the default one
     return subprocess.run(
-        [*cmd, *SMALL, f"run_dir={run_dir}", *overrides],
+        [*cmd, *small, f"run_dir={run_dir}", *overrides],
         cwd=ROOT,
         env=full_env,
         capture_output=True,
@@ -139,7 +142,7 @@ def test_valid_config_passes_the_same_checks(tmp_path):
     from mcore_packing.app.trainer import prepare_run
 
     inputs = prepare_run(compose_config(None, [*SMALL, f"run_dir={tmp_path}"]), 2)
-    assert inputs.dp == 2 and inputs.step_config.mode == "packing" and len(inputs.lengths) >= 48
+    assert inputs.dp == 2 and inputs.step_config.mode == "packing" and 8 <= len(inputs.lengths) <= 48
 
 
 def test_a_config_error_exits_2_from_the_command_line(tmp_path):
@@ -177,6 +180,7 @@ def test_users_jsonl_data(tmp_path):
         f"data.path={path}",
         "data.text_field=content",
         "data.num_samples=null",
+        "data.long_samples=split",
         "training.steps=3",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

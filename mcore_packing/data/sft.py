@@ -172,7 +172,11 @@ def load_sft_data(
             ids = ids if remap is None else [remap.get(t, UNK_ID) for t in ids]
             samples.append(SequenceSample(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)))
     if not samples:
-        raise ValueError("No samples are left after loading; check data.source/path and data.long_samples.")
+        raise ValueError(
+            f"No samples are left: {outcomes['dropped']} of {len(encoded)} records are longer than "
+            f"data.max_sample_tokens={max_sample_tokens} and were dropped. Raise data.max_sample_tokens, or set "
+            "data.long_samples=truncate (conversations: keep the turns that fit)."
+        )
     total_tokens = sum(len(r.ids) for r in encoded)
     info = {
         "source": source,

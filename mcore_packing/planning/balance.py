@@ -7,7 +7,8 @@ which rank runs which micro-batch.
 
 - `assign_balanced`: every rank gets exactly ``len(costs) / num_ranks`` micro-batches. Longest
   processing time first (heaviest micro-batch to the least-loaded rank that still needs one), then
-  pairwise swaps between the most-loaded rank and each other rank while a swap lowers the maximum.
+  pairwise swaps between the most-loaded rank and each other rank while a swap lowers the maximum; the
+  round-robin assignment refined the same way is the fallback, so the result is never worse than it.
 - `assign_round_robin`: micro-batch ``i`` to rank ``i % num_ranks`` (what NeMo-RL does), for comparison.
 - `order_microbatches`: ``packer`` (as planned), ``largest_first`` (the caching allocator reuses the
   biggest blocks; peak memory is reached at once), ``bubble`` (smallest micro-batches at both ends of the
@@ -45,12 +46,24 @@ def assign_round_robin(num_items: int, num_ranks: int) -> list[list[int]]:
 
 
 def assign_balanced(costs, num_ranks: int, *, max_rounds: int = 1000) -> list[list[int]]:
-    """Indices of ``costs`` per rank, equal counts, minimizing the largest rank sum (LPT + swaps)."""
+    """Indices of ``costs`` per rank, equal counts, minimizing the largest rank sum.
+
+    Longest processing time first, then pairwise swaps while the maximum drops. The same swaps also
+    refine the round-robin assignment, and the better of the two is kept, so the result is never worse
+    than round-robin (LPT under an equal-count rule can be, rarely).
+    """
     costs = np.asarray(costs, dtype=np.float64)
-    n = costs.size
-    if n % num_ranks:
-        raise ValueError(f"{n} micro-batches cannot be split equally over {num_ranks} ranks.")
-    per_rank = n // num_ranks
+    if costs.size % num_ranks:
+        raise ValueError(f"{costs.size} micro-batches cannot be split equally over {num_ranks} ranks.")
+    candidates = [_lpt(costs, num_ranks), assign_round_robin(costs.size, num_ranks)]
+    refined = [_refine_by_swaps(costs, ranks, max_rounds) for ranks in candidates]
+    best = min(refined, key=lambda ranks: max(costs[r].sum() for r in ranks))
+    return [sorted(rank) for rank in best]
+
+
+def _lpt(costs: np.ndarray, num_ranks: int) -> list[list[int]]:
+    """Heaviest item to the least-loaded rank that still needs one (equal counts)."""
+    per_rank = costs.size // num_ranks
     ranks: list[list[int]] = [[] for _ in range(num_ranks)]
     heap = [(0.0, r) for r in range(num_ranks)]
     for i in np.argsort(-costs, kind="stable").tolist():
@@ -58,19 +71,23 @@ def assign_balanced(costs, num_ranks: int, *, max_rounds: int = 1000) -> list[li
         ranks[r].append(i)
         if len(ranks[r]) < per_rank:
             heapq.heappush(heap, (load + costs[i], r))
+    return ranks
+
+
+def _refine_by_swaps(costs: np.ndarray, ranks: list[list[int]], max_rounds: int) -> list[list[int]]:
+    """Swap one item of the most-loaded rank with one of another rank while the larger of the pair drops."""
+    ranks = [list(r) for r in ranks]
     loads = np.array([costs[r].sum() for r in ranks])
     for _ in range(max_rounds):
         hi = int(np.argmax(loads))
         best = None  # (new_max_of_pair, rank, position_in_hi, position_in_other)
         mine = costs[ranks[hi]]
-        for r in range(num_ranks):
+        for r in range(len(ranks)):
             if r == hi:
                 continue
-            theirs = costs[ranks[r]]
-            gap = loads[hi] - loads[r]
             # Swapping a (from hi) with b (from r) moves d = c_a - c_b; best when d is close to gap / 2.
-            diff = mine[:, None] - theirs[None, :]
-            useful = (diff > 0) & (diff < gap)
+            diff = mine[:, None] - costs[ranks[r]][None, :]
+            useful = (diff > 0) & (diff < loads[hi] - loads[r])
             if not useful.any():
                 continue
             pair_max = np.where(useful, np.maximum(loads[hi] - diff, loads[r] + diff), np.inf)
@@ -84,7 +101,7 @@ def assign_balanced(costs, num_ranks: int, *, max_rounds: int = 1000) -> list[li
         ranks[hi][a], ranks[r][b] = ib, ia
         loads[hi] += costs[ib] - costs[ia]
         loads[r] += costs[ia] - costs[ib]
-    return [sorted(rank) for rank in ranks]
+    return ranks
 
 
 def order_microbatches(costs, order: str) -> list[int]:

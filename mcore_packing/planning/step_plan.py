@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ..packing import cost_capped_first_fit, get_packer
+from ..packing import PackedBins, cost_capped_first_fit, enforce_bin_count, get_packer, required_bin_count
 from ..packing.validation import as_lengths
 from .balance import assign_balanced, assign_round_robin, max_over_mean, order_microbatches
 from .cost_model import CostModel
@@ -220,14 +220,19 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
     items = units if units is not None else [[i] for i in range(padded.size)]
     sizes = np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
     packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine)
-    if config.cost_budget is None:
-        unit_bins = packer.pack(sizes)
-    else:
+    unit_bins = packer.pack(sizes)
+    if config.cost_budget is not None:
         costs = np.array([float(model.sequence_cost(padded[u]).sum()) for u in items])
         cost_budget = config.cost_budget
         if cost_budget == "auto":
-            cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(packer.pack(sizes)))
-        unit_bins = cost_capped_first_fit(sizes, costs, capacity, cost_budget, bin_count_multiple=config.dp_size)
+            cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(unit_bins))
+        capped = cost_capped_first_fit(sizes, costs, capacity, cost_budget)
+        # The cost cap evens out work; it cannot ask for more rows than there are samples to give every DP
+        # rank the same count. Then the token-capped bins stand (the token cap is the hard limit).
+        if required_bin_count(len(capped), None, config.dp_size) <= len(items):
+            unit_bins = enforce_bin_count(
+                PackedBins.from_lists(capped), sizes, min_bin_count=None, bin_count_multiple=config.dp_size
+            ).to_lists()
     bins = [[i for u in b for i in items[u]] for b in unit_bins]
     multiple = config.padding_rule.total_multiple
     shapes = []

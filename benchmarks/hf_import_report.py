@@ -1,0 +1,62 @@
+"""Hugging Face import on tiny random models of every family: logit error per layout, import time, bytes
+read and peak memory per rank. The models come from tests/hf_models.py (random weights, every parameter
+perturbed); the comparison is the one tests/test_hf_conversion.py asserts.
+
+    python benchmarks/hf_import_report.py          # about a minute on 2 CPU cores
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from _report import run_config, write_results  # noqa: E402
+
+from tests.distributed_harness import run_distributed  # noqa: E402
+from tests.hf_models import FAMILIES, hf_logits, make_tiny  # noqa: E402
+from tests.test_hf_conversion import SEQUENCES, check  # noqa: E402
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+
+
+def main() -> int:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config = run_config(argparse_free(), families=sorted(FAMILIES), layouts=LAYOUTS, sequences=len(SEQUENCES))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for family in sorted(FAMILIES):
+            folder = make_tiny(family, Path(tmp) / family)
+            reference = hf_logits(folder, SEQUENCES)
+            for tp, pp in LAYOUTS:
+                results = run_distributed(
+                    "tests.hf_workers:logits_worker", tp * pp, folder=str(folder), sequences=SEQUENCES, tp=tp, pp=pp
+                )
+                errors = check(results[0], reference)
+                ranks = [r["stats"] for r in results]
+                row = {"family": family, "tp": tp, "pp": pp, **errors, "ranks": ranks}
+                rows.append(row)
+                print(
+                    f"{family:<11} TP{tp} PP{pp}  logits alone {errors.get('alone', float('nan')):.1e}  packed "
+                    f"{errors.get('packed', float('nan')):.1e}  logprobs {errors['logprobs']:.1e}  import "
+                    f"{max(r['seconds'] for r in ranks) * 1e3:.0f} ms  read/rank "
+                    f"{max(r['bytes_read'] for r in ranks) / 1e3:.0f} kB  peak RSS/rank "
+                    f"{max(r['peak_rss_mib'] for r in ranks):.0f} MiB",
+                    flush=True,
+                )
+    write_results(str(ROOT / "benchmarks/results/hf_import.json"), config, rows)
+    return 0
+
+
+def argparse_free():
+    import argparse
+
+    return argparse.Namespace()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
