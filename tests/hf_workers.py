@@ -20,7 +20,13 @@ def _build(folder, tp, pp, patch=None):
     if patch == "swap_gate_up":  # negative control: [up; gate] instead of [gate; up]
         kind, names = hf_weights._PER_LAYER["mlp.linear_fc1.weight"]
         hf_weights._PER_LAYER["mlp.linear_fc1.weight"] = (kind, names[::-1])
+    import resource
+    import time
+
+    start = time.perf_counter()
     stats = hf_weights.load_hf_weights(model, shape, folder, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    stats["seconds"] = time.perf_counter() - start
+    stats["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return model, shape, stats
 
 
