@@ -208,30 +208,27 @@ def qwen3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConf
     )
 
 
-def qwen3_0_6b_sft_single_gpu(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
-    """Qwen3-0.6B SFT on one GPU (or DP over more): packed 16k-token rows, no model parallelism."""
+def _single_gpu_recipe(name: str, model_name: str, num_nodes: int, gpus_per_node: int) -> TrainConfig:
+    """A small model on one GPU (data parallel over more): packed 16k-token rows, no model parallelism."""
     return _family_recipe(
-        "qwen3-0.6b-sft",
-        "Qwen3-0.6B",
+        name,
+        model_name,
         parallel=ParallelConfig(),
         packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
         training=TrainingConfig(global_batch_size=64, steps=500, lr=1e-5, weight_decay=0.01),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=16384,
     )
+
+
+def qwen3_0_6b_sft_single_gpu(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
+    """Qwen3-0.6B SFT on one GPU (QK-norm, head_dim 128, tied embeddings)."""
+    return _single_gpu_recipe("qwen3-0.6b-sft", "Qwen3-0.6B", num_nodes, gpus_per_node)
 
 
 def llama32_1b_sft_single_gpu(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
     """Llama-3.2-1B SFT on one GPU (tied embeddings, Llama-3 RoPE scaling 32)."""
-    return _family_recipe(
-        "llama3.2-1b-sft",
-        "Llama-3.2-1B",
-        parallel=ParallelConfig(),
-        packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
-        training=TrainingConfig(global_batch_size=64, steps=500, lr=1e-5, weight_decay=0.01),
-        cluster=_cluster(num_nodes, gpus_per_node),
-        max_sample_tokens=16384,
-    )
+    return _single_gpu_recipe("llama3.2-1b-sft", "Llama-3.2-1B", num_nodes, gpus_per_node)
 
 
 RECIPES = {
