@@ -113,3 +113,19 @@ def test_what_would_not_convert_exactly_is_refused(config, fragment):
 def test_gpt_family_has_no_hf_config():
     with pytest.raises(ValueError, match="no Hugging Face counterpart"):
         hf_config_from_shape(ModelShape())
+
+
+def test_both_layer_specs_parameter_names_map_to_the_same_hf_tensors():
+    """The local spec's norms and TransformerEngine's norms fused into the next linear name one HF tensor."""
+    from mcore_packing.megatron.hf_weights import hf_names
+
+    shape = shape_from_hf_config(QWEN3_V5)
+    pairs = [
+        ("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight", "input_layernorm.weight"),
+        ("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight", "post_attention_layernorm.weight"),
+    ]
+    for local, te, hf in pairs:
+        want = ("replicated", [f"model.layers.7.{hf}"])
+        assert hf_names(f"decoder.layers.0.{local}", 7, shape) == hf_names(f"decoder.layers.0.{te}", 7, shape) == want
+    with pytest.raises(ValueError, match="no Hugging Face counterpart"):
+        hf_names("decoder.layers.0.mlp.router.weight", 7, shape)

@@ -13,6 +13,8 @@ Fused QKV layout: the rows of ``linear_qkv`` are grouped by query group: for eac
 heads, its ``nq/ng`` query heads, then its key head, then its value head (``head_dim`` rows each), i.e. a
 ``[ng, nq/ng + 2, head_dim, hidden]`` view. TP rank ``r`` holds groups ``r*ng/TP .. (r+1)*ng/TP``.
 
+Parameter names of both layer specs are mapped: the local spec's separate norms and TransformerEngine's
+norms fused into the next linear (``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``).
 Import reads, through ``safetensors.safe_open`` (memory-mapped), only the rows or columns a rank owns;
 pipeline stages take their layers by Megatron's own global ``layer_number``. Export merges the TP shards
 of every stage back into the Hugging Face tensors (padding rows dropped, tied embeddings written once).
@@ -35,6 +37,9 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _PER_LAYER = {
     "input_layernorm.weight": ("replicated", ["input_layernorm.weight"]),
     "pre_mlp_layernorm.weight": ("replicated", ["post_attention_layernorm.weight"]),
+    # TransformerEngine's spec fuses each norm into the linear after it.
+    "self_attention.linear_qkv.layer_norm_weight": ("replicated", ["input_layernorm.weight"]),
+    "mlp.linear_fc1.layer_norm_weight": ("replicated", ["post_attention_layernorm.weight"]),
     "self_attention.q_layernorm.weight": ("replicated", ["self_attn.q_norm.weight"]),
     "self_attention.k_layernorm.weight": ("replicated", ["self_attn.k_norm.weight"]),
     "self_attention.linear_qkv.weight": ("qkv", [f"self_attn.{p}_proj.weight" for p in "qkv"]),
