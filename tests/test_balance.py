@@ -70,6 +70,12 @@ def test_calibration_recovers_coefficients():
     assert m.linear == pytest.approx(2e-6, rel=1e-6) and m.quadratic == pytest.approx(3e-10, rel=1e-6)
     with pytest.raises(ValueError, match="at least two measured steps"):
         CostModel.calibrate(steps[:1], seconds[:1])
+    # A per-micro-batch constant is recovered too when the micro-batch counts are given.
+    counts = [int(c) for c in rng.integers(1, 9, size=len(steps))]
+    timed = [t + 0.05 * c for t, c in zip(seconds, counts, strict=True)]
+    m3 = CostModel.calibrate(steps, timed, counts)
+    assert m3.per_microbatch == pytest.approx(0.05, rel=1e-6) and m3.linear == pytest.approx(2e-6, rel=1e-6)
+    assert CostModel.calibrate(steps, seconds, counts).per_microbatch == pytest.approx(0.0, abs=1e-9)
     # Times that fall with the squared term would need b < 0: the fit stays non-negative.
     noisy = CostModel.calibrate([[100], [10, 10, 10, 10, 10, 10, 10, 10, 10, 10, 10]], [1.0, 1.2])
     assert noisy.linear >= 0 and noisy.quadratic >= 0 and noisy.linear + noisy.quadratic > 0
@@ -136,7 +142,7 @@ def grouped_batches(draw):
     st.sampled_from(["cost", "tokens", "round_robin"]),
     st.integers(1, 3),
     st.sampled_from([None, "auto"]),
-    st.sampled_from(["packer", "largest_first", "bubble"]),
+    st.sampled_from(["packer", "largest_first", "bubble", "pipeline", "auto"]),
 )
 def test_plans_never_split_groups_never_exceed_the_cap_and_keep_equal_counts(batch, balance, dp, budget, order):
     lengths, groups = batch

@@ -130,7 +130,7 @@ class SequencePackingConfig:
     logprob_mb_tokens: int | None = None
     algorithm: str = "modified_first_fit_decreasing"
     refine: bool | None = None  # bin-count refinement after packing; null: the algorithm's default (on for MFFD)
-    microbatch_order: str = "packer"  # packer | largest_first | bubble
+    microbatch_order: str = "auto"  # auto (pipeline under PP, else packer) | packer | largest_first | bubble | pipeline
     sequence_length_round: int = 1
     cost_budget: Any = None  # None | "auto" | a number: also cap each row's attention-aware cost
 

@@ -39,7 +39,7 @@ class MetricsLogger:
         self.total_steps = cfg.training.steps
         self.log_interval = cfg.logging.log_interval
         self.path = Path(cfg.run_dir) / cfg.logging.metrics_file
-        self.history: list[tuple[list[int], float]] = []  # (lengths of the slowest rank, measured seconds)
+        self.history: list[tuple[list[int], float, int]] = []  # (slowest rank's lengths, seconds, micro-batches)
         self.writer = _tensorboard(Path(cfg.run_dir)) if cfg.logging.tensorboard and self.enabled else None
         self.progress = _Progress(self.total_steps, cfg.logging.progress_bar and self.enabled)
 
@@ -48,8 +48,8 @@ class MetricsLogger:
         stats = plan.stats()
         slowest = max(plan.micro_batches, key=lambda rank: sum(mb.cost for mb in rank))
         slowest_lengths = [plan.lengths[i] for mb in slowest for i in mb.sample_indices]
-        predicted = _predict_seconds(self.history, slowest_lengths)
-        self.history.append((slowest_lengths, outcome.seconds))
+        predicted = _predict_seconds(self.history, slowest_lengths, len(slowest))
+        self.history.append((slowest_lengths, outcome.seconds, len(slowest)))
         record = {
             "step": step,
             "loss": outcome.result.loss,
@@ -104,13 +104,14 @@ def _tensorboard(run_dir: Path):
     return SummaryWriter(str(run_dir / "tensorboard"))
 
 
-def _predict_seconds(history, lengths) -> float | None:
-    """Step time predicted by a cost model calibrated on the earlier steps (the first, a warm-up, is left
-    out), once three of them exist; None before that."""
+def _predict_seconds(history, lengths, microbatches: int) -> float | None:
+    """Step time predicted by a cost model (per token, per squared length, per micro-batch) calibrated on
+    the earlier steps (the first, a warm-up, is left out), once three of them exist; None before that."""
     if len(history) < 4:
         return None
-    model = CostModel.calibrate([h[0] for h in history[1:]], [h[1] for h in history[1:]])
-    return float(model.sequence_cost(lengths).sum())
+    steps = history[1:]
+    model = CostModel.calibrate([h[0] for h in steps], [h[1] for h in steps], [h[2] for h in steps])
+    return float(model.sequence_cost(lengths).sum()) + model.per_microbatch * microbatches
 
 
 class _Progress:

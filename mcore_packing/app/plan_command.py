@@ -32,7 +32,7 @@ import numpy as np
 
 from ..data.real_text import REAL_CORPORA, real_corpus_lengths
 from ..packing import DEFAULT_ALGORITHM, PackingMetrics, get_packer, resolve_algorithm
-from ..planning import BALANCES, MODES, CostModel, ModelShape, StepPlanConfig, recommend_budget, summarize
+from ..planning import BALANCES, MODES, ORDERS, CostModel, ModelShape, StepPlanConfig, recommend_budget, summarize
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
@@ -177,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("dp", "tp", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
+    p.add_argument("--order", choices=ORDERS, default="auto", help="microbatch_order (default: auto)")
     p.add_argument(
         "--balance",
         choices=BALANCES,
@@ -262,6 +263,7 @@ def _config_from_args(args, model: CostModel) -> StepPlanConfig:
             sequence_parallel=args.sp,
             padded_rows=args.micro_batch_size,
             balance=args.balance,
+            microbatch_order=args.order,
             cost_model=model,
         )
     except ValueError as exc:
@@ -372,6 +374,20 @@ def _print_text(doc: dict) -> None:
         f"{s['rank_token_imbalance_worst']:.3f}), attention-aware cost {s['rank_cost_imbalance_mean']:.3f} "
         f"(worst {s['rank_cost_imbalance_worst']:.3f})"
     )
+    bound = "total cost / DP" + (" and the 1F1B pipeline bound" if c["pp"] > 1 else "")
+    print(
+        f"  predicted step time: {s['predicted_over_lower_bound']:.3f}x its lower bound ({bound}): "
+        f"{s['predicted_step_cost']:.4g} vs {s['step_cost_lower_bound']:.4g} per step"
+    )
+    if c["mode"] == "packing":
+        histogram = ", ".join(f"{10 * k}-{10 * k + 10}%: {n}" for k, n in enumerate(s["fill_histogram"]) if n)
+        print(f"  micro-batch fill (real tokens / row capacity): {histogram}")
+        forced = s["below_half_full_forced_by_equal_counts"]
+        print(
+            f"  below half full: {s['below_half_full']} of {s['micro_batches']:,} micro-batches; {forced} forced by "
+            f"equal counts per rank (packing alone needs fewer rows than a multiple of dp={c['dp']}), "
+            f"{s['below_half_full'] - forced} otherwise"
+        )
     if doc["whole_dataset_packing"]:
         w = doc["whole_dataset_packing"]
         print(

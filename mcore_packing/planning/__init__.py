@@ -9,6 +9,9 @@ without a GPU stack. Modules, in the order the data flows through them:
 - `step_config`: `StepPlanConfig` (NeMo-RL keys), its one translation from config sections and its one
   budget check.
 - `balance`: micro-batches to DP ranks by cost with equal counts; orders within a rank.
+- `rebalance`: single sequences moved between ranks' rows until the slowest rank is near the mean.
+- `pipeline`: a 1F1B schedule simulator, its lower bound and the order that minimises it.
+- `hf_config`: Hugging Face ``config.json`` <-> `ModelShape`.
 - `step_plan`: `plan_step` -> `StepPlan` of `MicroBatchPlan`s.
 - `report`: a whole data set planned batch by batch (`summarize`, `recommend_budget`).
 """
@@ -17,6 +20,8 @@ from .balance import BALANCES, ORDERS, assign_balanced, assign_round_robin, max_
 from .cost_model import CostModel
 from .model_shape import ModelShape
 from .padding import PaddingRule
+from .pipeline import best_pipeline_order, pipeline_lower_bound, simulate_1f1b
+from .rebalance import rebalance_units
 from .report import recommend_budget, summarize
 from .step_config import MODES, StepPlanConfig
 from .step_plan import MicroBatchPlan, StepPlan, micro_batch_cost, plan_step
@@ -33,10 +38,14 @@ __all__ = [
     "StepPlanConfig",
     "assign_balanced",
     "assign_round_robin",
+    "best_pipeline_order",
     "max_over_mean",
     "micro_batch_cost",
     "order_microbatches",
+    "pipeline_lower_bound",
     "plan_step",
+    "rebalance_units",
     "recommend_budget",
+    "simulate_1f1b",
     "summarize",
 ]

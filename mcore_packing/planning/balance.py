@@ -12,7 +12,9 @@ which rank runs which micro-batch.
 - `assign_round_robin`: micro-batch ``i`` to rank ``i % num_ranks`` (what NeMo-RL does), for comparison.
 - `order_microbatches`: ``packer`` (as planned), ``largest_first`` (the caching allocator reuses the
   biggest blocks; peak memory is reached at once), ``bubble`` (smallest micro-batches at both ends of the
-  step, largest in the middle: pipeline warm-up and cool-down, where stages idle, run the cheapest work).
+  step, largest in the middle: pipeline warm-up and cool-down, where stages idle, run the cheapest work),
+  ``pipeline`` (the order with the smallest simulated 1F1B step time, `pipeline.best_pipeline_order`),
+  ``auto`` (``pipeline`` under PP, else ``packer``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 import heapq
 
 import numpy as np
+
+from .pipeline import best_pipeline_order
 
 __all__ = [
     "BALANCES",
@@ -30,8 +34,8 @@ __all__ = [
     "order_microbatches",
 ]
 
-ORDERS = ("packer", "largest_first", "bubble")
-"""Micro-batch orders on a rank (``microbatch_order``)."""
+ORDERS = ("auto", "packer", "largest_first", "bubble", "pipeline")
+"""Micro-batch orders on a rank (``microbatch_order``); ``auto`` is ``pipeline`` with PP > 1, else ``packer``."""
 BALANCES = ("cost", "tokens", "round_robin")
 """How micro-batches go to data-parallel ranks (``balance``)."""
 
@@ -74,26 +78,31 @@ def _lpt(costs: np.ndarray, num_ranks: int) -> list[list[int]]:
     return ranks
 
 
-def _refine_by_swaps(costs: np.ndarray, ranks: list[list[int]], max_rounds: int) -> list[list[int]]:
-    """Swap one item of the most-loaded rank with one of another rank while the larger of the pair drops."""
+def _refine_by_swaps(
+    costs: np.ndarray, ranks: list[list[int]], max_rounds: int, candidates: int = 128
+) -> list[list[int]]:
+    """Swap one item of the most-loaded rank with one of another rank while the larger of the pair drops.
+    Ranks with many items offer ``candidates`` of them per round, spread over their cost order."""
     ranks = [list(r) for r in ranks]
     loads = np.array([costs[r].sum() for r in ranks])
     for _ in range(max_rounds):
         hi = int(np.argmax(loads))
         best = None  # (new_max_of_pair, rank, position_in_hi, position_in_other)
-        mine = costs[ranks[hi]]
+        mine_pos = _spread_positions(costs[ranks[hi]], candidates)
+        mine = costs[ranks[hi]][mine_pos]
         for r in range(len(ranks)):
             if r == hi:
                 continue
+            theirs_pos = _spread_positions(costs[ranks[r]], candidates)
             # Swapping a (from hi) with b (from r) moves d = c_a - c_b; best when d is close to gap / 2.
-            diff = mine[:, None] - costs[ranks[r]][None, :]
+            diff = mine[:, None] - costs[ranks[r]][theirs_pos][None, :]
             useful = (diff > 0) & (diff < loads[hi] - loads[r])
             if not useful.any():
                 continue
             pair_max = np.where(useful, np.maximum(loads[hi] - diff, loads[r] + diff), np.inf)
             a, b = np.unravel_index(int(np.argmin(pair_max)), pair_max.shape)
             if best is None or pair_max[a, b] < best[0]:
-                best = (float(pair_max[a, b]), r, int(a), int(b))
+                best = (float(pair_max[a, b]), r, int(mine_pos[a]), int(theirs_pos[b]))
         if best is None or best[0] >= loads[hi] - 1e-12 * max(loads[hi], 1.0):
             break
         _, r, a, b = best
@@ -104,13 +113,25 @@ def _refine_by_swaps(costs: np.ndarray, ranks: list[list[int]], max_rounds: int)
     return ranks
 
 
-def order_microbatches(costs, order: str) -> list[int]:
-    """Positions of a rank's micro-batches in execution order."""
+def _spread_positions(costs: np.ndarray, limit: int) -> np.ndarray:
+    """All positions, or ``limit`` of them evenly spread over the cost order."""
+    if costs.size <= limit:
+        return np.arange(costs.size)
+    ordered = np.argsort(costs, kind="stable")
+    return ordered[np.linspace(0, costs.size - 1, limit).round().astype(np.int64)]
+
+
+def order_microbatches(costs, order: str, pp_size: int = 1) -> list[int]:
+    """Positions of a rank's micro-batches in execution order (``costs``: forward + backward per micro-batch)."""
     if order not in ORDERS:
-        raise ValueError(f"microbatch_order must be one of {ORDERS}, got {order!r}.")
+        raise ValueError(f"microbatch_order must be one of {', '.join(ORDERS)}; got {order!r}.")
     costs = np.asarray(costs, dtype=np.float64)
+    if order == "auto":
+        order = "pipeline" if pp_size > 1 else "packer"
     if order == "packer":
         return list(range(costs.size))
+    if order == "pipeline":
+        return best_pipeline_order(costs / 3.0, max(pp_size, 1))  # forward third, backward 2x forward
     descending = np.argsort(-costs, kind="stable").tolist()
     if order == "largest_first":
         return descending

@@ -11,8 +11,9 @@ Training (forward + backward) is 3x forward. So ``cost(s) = a*s + b*s^2`` with `
 ``b = 3*2*L*h``. Under context parallelism each CP rank does ``1/cp`` of both parts (the load-balanced
 split makes attention work equal), so the per-rank cost is ``cost(s) / cp``.
 
-`CostModel.calibrate` fits ``a`` and ``b`` to measured step times instead (non-negative least squares on
-the tokens and the sum of squared lengths of each measured step), for hardware where FLOPs are not time.
+`CostModel.calibrate` fits ``a``, ``b`` and a per-micro-batch constant to measured step times instead
+(non-negative least squares on the tokens, the sum of squared lengths and the micro-batch count of each
+measured step), for hardware where FLOPs are not time.
 """
 
 from __future__ import annotations
@@ -28,11 +29,17 @@ __all__ = ["CostModel"]
 
 @dataclass(frozen=True)
 class CostModel:
-    """``cost(s) = linear * s + quadratic * s^2`` per sequence (FLOPs, or seconds when calibrated)."""
+    """``cost(s) = linear * s + quadratic * s^2`` per sequence (FLOPs, or seconds when calibrated), plus
+    ``per_microbatch`` for every micro-batch (kernel launches, the schedule's per-micro-batch work) and
+    ``per_sequence`` for every sequence on every CP rank (per-sequence kernels, e.g. attention run one
+    sequence at a time); both 0 in the FLOP model and fitted by `calibrate`, so fewer, fuller
+    micro-batches and fewer, longer sequences are priced honestly."""
 
     linear: float
     quadratic: float
     unit: str = "FLOP"
+    per_microbatch: float = 0.0
+    per_sequence: float = 0.0
 
     @classmethod
     def from_shape(cls, shape: ModelShape, *, training: bool = True) -> CostModel:
@@ -52,7 +59,7 @@ class CostModel:
     def sequence_cost(self, lengths, cp_size: int = 1) -> np.ndarray:
         """Cost of each sequence on one CP rank."""
         s = np.asarray(lengths, dtype=np.float64)
-        return (self.linear * s + self.quadratic * s * s) / cp_size
+        return (self.linear * s + self.quadratic * s * s) / cp_size + self.per_sequence
 
     def attention_share(self, lengths) -> float:
         """Fraction of the total cost that is attention's quadratic part."""
@@ -61,23 +68,46 @@ class CostModel:
         return quad / (self.linear * float(s.sum()) + quad) if s.size else 0.0
 
     @classmethod
-    def calibrate(cls, steps: list[list[int]], seconds: list[float]) -> CostModel:
-        """Fit ``seconds ~ a * sum(s) + b * sum(s^2)`` over measured steps (each a list of lengths).
+    def calibrate(
+        cls, steps: list[list[int]], seconds: list[float], microbatches: list[int] | None = None
+    ) -> CostModel:
+        """Fit ``seconds ~ a * sum(s) + b * sum(s^2) + d * sequences [+ c * micro-batches]`` over measured
+        steps (each a list of lengths, and with ``microbatches`` how many micro-batches ran them).
 
-        Non-negative least squares: the unconstrained fit when both coefficients are >= 0, else the
-        better of the two one-coefficient fits (noisy or narrow measurements can ask for a negative term).
+        Non-negative least squares, exact for these few coefficients: every subset of the columns is
+        fitted and the best fit with no negative coefficient wins (noisy or narrow measurements can ask
+        for a negative term; a zero is the honest answer then).
         """
         if len(steps) != len(seconds) or len(steps) < 2:
             raise ValueError("calibrate needs at least two measured steps, each with its lengths and its time.")
-        design = np.array([[sum(s), sum(x * x for x in s)] for s in steps], dtype=np.float64)
-        target = np.asarray(seconds, dtype=np.float64)
-        (a, b), *_ = np.linalg.lstsq(design, target, rcond=None)
-        if a < 0 or b < 0:
-            candidates = []
-            for column in (0, 1):
-                x = design[:, column]
-                coef = max(float(x @ target) / float(x @ x), 0.0) if float(x @ x) > 0 else 0.0
-                candidates.append((float(((x * coef - target) ** 2).sum()), column, coef))
-            _, column, coef = min(candidates)
-            a, b = (coef, 0.0) if column == 0 else (0.0, coef)
-        return cls(linear=float(a), quadratic=float(b), unit="s")
+        columns = [[sum(s) for s in steps], [sum(x * x for x in s) for s in steps], [len(s) for s in steps]]
+        if microbatches is not None:
+            if len(microbatches) != len(steps):
+                raise ValueError("calibrate needs one micro-batch count per measured step.")
+            columns.append(list(microbatches))
+        coef = _nnls(np.array(columns, dtype=np.float64).T, np.asarray(seconds, dtype=np.float64))
+        overhead = float(coef[3]) if microbatches is not None else 0.0
+        return cls(
+            linear=float(coef[0]),
+            quadratic=float(coef[1]),
+            unit="s",
+            per_microbatch=overhead,
+            per_sequence=float(coef[2]),
+        )
+
+
+def _nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Non-negative least squares by trying every subset of columns (fine for 2-3 columns)."""
+    n = design.shape[1]
+    best, best_error = np.zeros(n), float((target**2).sum())
+    for mask in range(1, 2**n):
+        cols = [j for j in range(n) if mask >> j & 1]
+        sub, *_ = np.linalg.lstsq(design[:, cols], target, rcond=None)
+        if (sub < 0).any():
+            continue
+        coef = np.zeros(n)
+        coef[cols] = sub
+        error = float(((design @ coef - target) ** 2).sum())
+        if error < best_error - 1e-15 * max(best_error, 1.0):
+            best, best_error = coef, error
+    return best

@@ -4,7 +4,9 @@ prints it and draws the figure).
 
 - `summarize`: efficiency, bins against the lower bound ceil(tokens / capacity), micro-batches per rank,
   per-rank imbalance of tokens and of attention-aware cost, padding and compute saved against
-  pad-to-longest and pad-to-capacity.
+  pad-to-longest and pad-to-capacity, the predicted step time (slowest rank; simulated 1F1B under PP)
+  against its lower bound (total cost / DP, and the pipeline bound), the fill histogram, and the rows
+  below half full with how many of them the equal-count rule forced.
 - `recommend_budget`: the smallest ``train_mb_tokens`` whose fill is within one point of the best tried.
 """
 
@@ -16,7 +18,9 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..packing import get_packer
 from .cost_model import CostModel
+from .pipeline import pipeline_lower_bound, simulate_1f1b
 from .step_config import StepPlanConfig
 from .step_plan import plan_step
 
@@ -39,6 +43,10 @@ class _Tally:
     fills: list = field(default_factory=list)
     rank_tokens: np.ndarray = None
     rank_cost: np.ndarray = None
+    predicted: float = 0.0
+    bound: float = 0.0
+    below_half: int = 0
+    below_half_forced: int = 0
 
     def __post_init__(self):
         self.rank_tokens = np.zeros(self.dp)
@@ -65,6 +73,31 @@ class _Tally:
         t, c = _padded_cost(batch, padded_rows, model, config.cp_size)
         self.padded_tokens += t
         self.padded_cost += c
+        self._step_time(plan, config)
+        if config.mode == "packing":
+            self._below_half(plan, config, batch)
+
+    def _step_time(self, plan, config: StepPlanConfig) -> None:
+        """Predicted step time (the slowest rank; its simulated 1F1B time under PP) and its lower bound."""
+        per_rank = [[mb.cost for mb in rank] for rank in plan.micro_batches]
+        if config.pp_size > 1:
+            times = [simulate_1f1b(np.asarray(c) / 3, config.pp_size) for c in per_rank]
+            bounds = [pipeline_lower_bound(np.asarray(c) / 3, config.pp_size) for c in per_rank]
+        else:
+            times, bounds = [sum(c) for c in per_rank], [0.0]
+        self.predicted += max(times)
+        self.bound += max(sum(map(sum, per_rank)) / config.dp_size, max(bounds))
+
+    def _below_half(self, plan, config: StepPlanConfig, batch: np.ndarray) -> None:
+        """Rows under half full, and how many of them the equal-count rule forced: the rows beyond what
+        packing alone (without a multiple of DP) needs for this batch."""
+        fills = [mb.real_tokens / plan.row_capacity for rank in plan.micro_batches for mb in rank]
+        below = sum(f < 0.5 for f in fills)
+        if below:
+            alone = get_packer(config.algorithm, plan.row_capacity, refine=config.refine)
+            extra = len(fills) - alone.pack_bins(config.padded_lengths(batch)).num_bins
+            self.below_half += below
+            self.below_half_forced += min(below, max(extra, 0))
 
 
 def _padded_cost(lengths: np.ndarray, rows: int, model: CostModel, cp: int) -> tuple[int, float]:
@@ -128,6 +161,12 @@ def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _
         "rank_cost_imbalance_mean": float(np.mean(t.cost_imbalance)),
         "rank_cost_imbalance_worst": float(np.max(t.cost_imbalance)),
         "real_cost": float(model.sequence_cost(lengths, config.cp_size).sum()),
+        "predicted_step_cost": t.predicted / num_batches,
+        "step_cost_lower_bound": t.bound / num_batches,
+        "predicted_over_lower_bound": t.predicted / t.bound if t.bound else 1.0,
+        "fill_histogram": np.histogram(np.clip(t.fills, 0, 1), bins=10, range=(0, 1))[0].tolist(),
+        "below_half_full": t.below_half,
+        "below_half_full_forced_by_equal_counts": t.below_half_forced,
         "_fills": t.fills,
         "_rank_tokens": t.rank_tokens.tolist(),
         "_rank_cost": t.rank_cost.tolist(),

@@ -54,7 +54,8 @@ class StepPlanConfig:
         algorithm: packing algorithm (packing mode).
         refine: bin-count refinement after packing (`get_packer`'s ``refine``); None is the algorithm's
             default (on for modified_first_fit_decreasing).
-        microbatch_order: one of `ORDERS`: ``packer``, ``largest_first`` or ``bubble``.
+        microbatch_order: one of `ORDERS`: ``auto`` (the simulated-best 1F1B order under PP, else the
+            packer's), ``packer``, ``largest_first``, ``bubble`` or ``pipeline``.
         sequence_length_round: per-sequence length alignment (NeMo-RL's key).
         dp_size, tp_size, pp_size, cp_size, sequence_parallel: the parallel layout.
         fp8_alignment: per-sequence alignment for FP8 (16), 1 when off.
@@ -73,7 +74,7 @@ class StepPlanConfig:
     logprob_mb_tokens: int | None = None
     algorithm: str = DEFAULT_ALGORITHM.value
     refine: bool | None = None
-    microbatch_order: str = "packer"
+    microbatch_order: str = "auto"
     sequence_length_round: int = 1
     dp_size: int = 1
     tp_size: int = 1

@@ -33,6 +33,7 @@ from ..packing import PackedBins, cost_capped_first_fit, enforce_bin_count, get_
 from ..packing.validation import as_lengths
 from .balance import assign_balanced, assign_round_robin, max_over_mean, order_microbatches
 from .cost_model import CostModel
+from .rebalance import rebalance_units
 from .step_config import StepPlanConfig
 
 __all__ = ["MicroBatchPlan", "StepPlan", "micro_batch_cost", "plan_step"]
@@ -141,35 +142,41 @@ def plan_step(
     padded = config.padded_lengths(lengths)
     model = config.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
     units = _units(groups, lengths.size, padded, capacity, config)
+    assignment = None
     if config.mode == "packing":
-        bins, shapes = _plan_packing(padded, capacity, config, units, model)
+        unit_bins, items = _plan_packing(padded, capacity, config, units, model)
+        if config.balance == "cost" and config.dp_size > 1:
+            unit_bins, assignment = _rebalanced(unit_bins, items, padded, capacity, config, model)
+        bins = [[i for u in b for i in items[u]] for b in unit_bins] if units is not None else unit_bins
+        shapes = _row_shapes(bins, padded, capacity, config)
     elif config.mode == "dynamic":
         bins, shapes = _plan_dynamic(lengths, padded, capacity, config)
     else:
         bins, shapes = _plan_padded(lengths, padded, config)
+    real, costs = _bin_totals(bins, shapes, lengths, padded, config, model)
     micro = [
-        MicroBatchPlan(
-            tuple(int(i) for i in b),
-            shape,
-            int(lengths[np.asarray(b)].sum()),
-            micro_batch_cost(padded[np.asarray(b)], shape, config.mode, config.cp_size, model),
-        )
-        for b, shape in zip(bins, shapes, strict=True)
+        MicroBatchPlan(tuple(b), shape, int(r), float(c))
+        for b, shape, r, c in zip(bins, shapes, real, costs, strict=True)
     ]
     return StepPlan(
         config=config,
         forward_only=forward_only,
-        lengths=tuple(int(x) for x in lengths),
-        micro_batches=_assign_and_order(micro, config),
+        lengths=tuple(lengths.tolist()),
+        micro_batches=_assign_and_order(micro, config, assignment),
         row_capacity=capacity,
         groups=tuple(groups) if groups is not None else None,
     )
 
 
-def _assign_and_order(micro: list[MicroBatchPlan], config: StepPlanConfig) -> tuple[tuple[MicroBatchPlan, ...], ...]:
-    """Micro-batches to DP ranks (equal counts, by `config.balance`), each rank's in `microbatch_order`."""
+def _assign_and_order(
+    micro: list[MicroBatchPlan], config: StepPlanConfig, assignment: list[list[int]] | None = None
+) -> tuple[tuple[MicroBatchPlan, ...], ...]:
+    """Micro-batches to DP ranks (equal counts, by `config.balance`, unless ``assignment`` gives them),
+    each rank's in `microbatch_order`."""
     assert len(micro) % config.dp_size == 0, f"{len(micro)} micro-batches do not split over {config.dp_size} ranks"
-    if config.balance == "round_robin":
+    if assignment is not None:
+        pass
+    elif config.balance == "round_robin":
         assignment = assign_round_robin(len(micro), config.dp_size)
     else:
         weights = [mb.cost if config.balance == "cost" else mb.padded_tokens for mb in micro]
@@ -177,20 +184,43 @@ def _assign_and_order(micro: list[MicroBatchPlan], config: StepPlanConfig) -> tu
     per_rank = []
     for rank in assignment:
         chosen = [micro[k] for k in rank]
-        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order)
+        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order, config.pp_size)
         per_rank.append(tuple(chosen[k] for k in order))
     return tuple(per_rank)
 
 
+def _flat(bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``bins`` as one index array, the bin of each entry, and each bin's last entry's position."""
+    sizes = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+    flat = np.fromiter((i for b in bins for i in b), dtype=np.int64, count=int(sizes.sum()))
+    return flat, np.repeat(np.arange(len(bins)), sizes), np.cumsum(sizes) - 1
+
+
+def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: CostModel):
+    """Real tokens and predicted cost of every micro-batch at once; equal to `micro_batch_cost` per bin."""
+    flat, bin_id, last = _flat(bins)
+    real = np.bincount(bin_id, weights=lengths[flat], minlength=len(bins))
+    if config.mode != "packing":
+        rows, widths = np.array(shapes, dtype=np.float64).T
+        return real, rows * model.sequence_cost(widths, config.cp_size) + model.per_microbatch
+    cost = np.bincount(bin_id, weights=model.sequence_cost(padded[flat], config.cp_size), minlength=len(bins))
+    spans = np.bincount(bin_id, weights=padded[flat], minlength=len(bins))
+    tail = padded[flat[last]].astype(np.float64)
+    extra = np.array([row for _, row in shapes], dtype=np.float64) - spans  # row padding sits in the last span
+    cost += model.sequence_cost(tail + extra, config.cp_size) - model.sequence_cost(tail, config.cp_size)
+    return real, cost + model.per_microbatch
+
+
 def micro_batch_cost(padded_lengths, shape: tuple[int, int], mode: str, cp_size: int, model: CostModel) -> float:
     """Predicted cost of one micro-batch on one CP rank: attention per sequence in packing mode (the row's
-    padding counts as part of its last span), ``rows`` sequences of the padded width otherwise."""
+    padding counts as part of its last span), ``rows`` sequences of the padded width otherwise; plus the
+    model's per-micro-batch constant."""
     if mode == "packing":
         spans = np.asarray(padded_lengths, dtype=np.float64).copy()
         spans[-1] += shape[1] - spans.sum()
-        return float(model.sequence_cost(spans, cp_size).sum())
+        return float(model.sequence_cost(spans, cp_size).sum()) + model.per_microbatch
     rows, width = shape
-    return rows * float(model.sequence_cost([width], cp_size)[0])
+    return rows * float(model.sequence_cost([width], cp_size)[0]) + model.per_microbatch
 
 
 def _units(groups, n, padded, capacity, config) -> list[list[int]] | None:
@@ -217,8 +247,9 @@ def _units(groups, n, padded, capacity, config) -> list[list[int]] | None:
 
 
 def _plan_packing(padded, capacity, config, units, model: CostModel):
+    """Bins of units (a unit: one sample, or one group) and the units, as sample-index lists."""
     items = units if units is not None else [[i] for i in range(padded.size)]
-    sizes = np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
+    sizes = padded.copy() if units is None else np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
     packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine)
     unit_bins = packer.pack(sizes)
     if config.cost_budget is not None:
@@ -233,13 +264,31 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
             unit_bins = enforce_bin_count(
                 PackedBins.from_lists(capped), sizes, min_bin_count=None, bin_count_multiple=config.dp_size
             ).to_lists()
-    bins = [[i for u in b for i in items[u]] for b in unit_bins]
+    return unit_bins, items
+
+
+def _rebalanced(unit_bins, items, padded, capacity, config, model: CostModel):
+    """Rows to ranks by cost (`assign_balanced`), then single units moved or swapped between the rows of
+    different ranks (`rebalance.rebalance_units`); returns the rows and each rank's row indices."""
+    flat, unit_id, _ = _flat(items)
+    sizes = np.bincount(unit_id, weights=padded[flat], minlength=len(items)).astype(np.int64)
+    costs = np.bincount(unit_id, weights=model.sequence_cost(padded[flat], config.cp_size), minlength=len(items))
+    units_in_bins, bin_id, _ = _flat(unit_bins)
+    row_costs = np.bincount(bin_id, weights=costs[units_in_bins], minlength=len(unit_bins))
+    assignment = assign_balanced(row_costs, config.dp_size)
+    rank_of_bin = np.empty(len(unit_bins), dtype=np.int64)
+    for rank, rows in enumerate(assignment):
+        rank_of_bin[rows] = rank
+    return rebalance_units(unit_bins, rank_of_bin.tolist(), sizes, costs, capacity), assignment
+
+
+def _row_shapes(bins, padded, capacity, config) -> list[tuple[int, int]]:
+    if config.use_fixed_length:
+        return [(1, capacity)] * len(bins)
+    flat, bin_id, _ = _flat(bins)
     multiple = config.padding_rule.total_multiple
-    shapes = []
-    for b in bins:
-        row = -(-int(padded[b].sum()) // multiple) * multiple
-        shapes.append((1, capacity if config.use_fixed_length else row))
-    return bins, shapes
+    rows = -(-np.bincount(bin_id, weights=padded[flat], minlength=len(bins)).astype(np.int64) // multiple) * multiple
+    return [(1, int(r)) for r in rows]
 
 
 def _plan_dynamic(lengths, padded, capacity, config):
