@@ -374,20 +374,7 @@ def _print_text(doc: dict) -> None:
         f"{s['rank_token_imbalance_worst']:.3f}), attention-aware cost {s['rank_cost_imbalance_mean']:.3f} "
         f"(worst {s['rank_cost_imbalance_worst']:.3f})"
     )
-    bound = "total cost / DP" + (" and the 1F1B pipeline bound" if c["pp"] > 1 else "")
-    print(
-        f"  predicted step time: {s['predicted_over_lower_bound']:.3f}x its lower bound ({bound}): "
-        f"{s['predicted_step_cost']:.4g} vs {s['step_cost_lower_bound']:.4g} per step"
-    )
-    if c["mode"] == "packing":
-        histogram = ", ".join(f"{10 * k}-{10 * k + 10}%: {n}" for k, n in enumerate(s["fill_histogram"]) if n)
-        print(f"  micro-batch fill (real tokens / row capacity): {histogram}")
-        forced = s["below_half_full_forced_by_equal_counts"]
-        print(
-            f"  below half full: {s['below_half_full']} of {s['micro_batches']:,} micro-batches; {forced} forced by "
-            f"equal counts per rank (packing alone needs fewer rows than a multiple of dp={c['dp']}), "
-            f"{s['below_half_full'] - forced} otherwise"
-        )
+    _print_step_time_and_fill(s, c)
     if doc["whole_dataset_packing"]:
         w = doc["whole_dataset_packing"]
         print(
@@ -406,6 +393,24 @@ def _print_text(doc: dict) -> None:
         )
     if doc["png"]:
         print(f"wrote {doc['png']}")
+
+
+def _print_step_time_and_fill(s: dict, c: dict) -> None:
+    """The predicted step time against its bound, the fill histogram and the half-empty rows."""
+    bound = "total cost / DP" + (" and the 1F1B pipeline bound" if c["pp"] > 1 else "")
+    print(
+        f"  predicted step time: {s['predicted_over_lower_bound']:.3f}x its lower bound ({bound}): "
+        f"{s['predicted_step_cost']:.4g} vs {s['step_cost_lower_bound']:.4g} per step"
+    )
+    if c["mode"] == "packing":
+        histogram = ", ".join(f"{10 * k}-{10 * k + 10}%: {n}" for k, n in enumerate(s["fill_histogram"]) if n)
+        print(f"  micro-batch fill (real tokens / row capacity): {histogram}")
+        forced = s["below_half_full_forced_by_equal_counts"]
+        print(
+            f"  below half full: {s['below_half_full']} of {s['micro_batches']:,} micro-batches; {forced} forced by "
+            f"equal counts per rank (packing alone needs fewer rows than a multiple of dp={c['dp']}), "
+            f"{s['below_half_full'] - forced} otherwise"
+        )
 
 
 if __name__ == "__main__":
