@@ -174,11 +174,9 @@ def _assign_and_order(
     """Micro-batches to DP ranks (equal counts, by `config.balance`, unless ``assignment`` gives them),
     each rank's in `microbatch_order`."""
     assert len(micro) % config.dp_size == 0, f"{len(micro)} micro-batches do not split over {config.dp_size} ranks"
-    if assignment is not None:
-        pass
-    elif config.balance == "round_robin":
+    if assignment is None and config.balance == "round_robin":
         assignment = assign_round_robin(len(micro), config.dp_size)
-    else:
+    elif assignment is None:
         weights = [mb.cost if config.balance == "cost" else mb.padded_tokens for mb in micro]
         assignment = assign_balanced(weights, config.dp_size)
     per_rank = []
