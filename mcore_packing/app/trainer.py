@@ -62,7 +62,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
             f"model.family={cfg.model.family} describes a pretrained model: set model.hf_path=/path/to/hf_folder "
             "(its config.json, *.safetensors and tokenizer.json) to start from its weights. --dry-run works without."
         )
-    if cfg.training.export_dir and cfg.model.shape(1).family == "gpt":
+    if cfg.training.export_dir and cfg.model.hf_path is None and cfg.model.family == "gpt":
         raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
     if cfg.resume:
         Checkpointer(cfg, rank=0).latest()

@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bins import PackedBins
-from .constraints import enforce_bin_count
-
 __all__ = ["cost_capped_first_fit"]
 
 
-def cost_capped_first_fit(
-    tokens, costs, token_capacity: int, cost_budget: float, *, bin_count_multiple: int | None = None
-) -> list[list[int]]:
+def cost_capped_first_fit(tokens, costs, token_capacity: int, cost_budget: float) -> list[list[int]]:
     """Bins of item indices with ``sum(tokens) <= token_capacity`` and ``sum(costs) <= cost_budget``.
 
-    Items go in order of decreasing cost to the first bin where both fit. ``bin_count_multiple`` then
-    splits the fullest bins until the count is a multiple (every data-parallel rank gets the same number
-    of bins; see `constraints.enforce_bin_count`). Raises ValueError when one item alone exceeds either
+    Items go in order of decreasing cost to the first bin where both fit (an equal bin count per rank is
+    the caller's: `constraints.enforce_bin_count`). Raises ValueError when one item alone exceeds either
     limit.
     """
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -53,7 +47,4 @@ def cost_capped_first_fit(
         bins[b].append(i)
         room_tokens[b] -= tokens[i]
         room_cost[b] -= costs[i]
-    if bin_count_multiple is None:
-        return bins
-    packed = PackedBins.from_lists(bins)
-    return enforce_bin_count(packed, tokens, min_bin_count=None, bin_count_multiple=bin_count_multiple).to_lists()
+    return bins

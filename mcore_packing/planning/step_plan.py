@@ -7,7 +7,8 @@ hang.
 Modes (`StepPlanConfig.mode`):
 - ``packing``: sequences (padded to ``PaddingRule.sequence_multiple``) are bin-packed into rows of
   ``train_mb_tokens * cp`` tokens, the bin count a multiple of DP (groups kept whole; optionally under
-  a per-row cost cap).
+  a per-row cost cap). With ``balance="cost"`` single sequences (or groups) then move between the rows
+  of different ranks until the slowest rank's cost is near the mean (`rebalance`).
 - ``dynamic``: samples sorted by length (longest first) are cut into micro-batches of similar lengths
   while ``rows * padded_length <= train_mb_tokens * cp``; micro-batches with the most rows are split
   until their count is a multiple of DP.
@@ -16,7 +17,8 @@ Modes (`StepPlanConfig.mode`):
 
 Then every micro-batch gets its predicted cost (`CostModel`, per CP rank), micro-batches go to DP ranks
 with equal counts (`balance`: by cost, by tokens, or round-robin), and each rank's list is put in
-``microbatch_order`` (``packer``, ``largest_first`` or ``bubble``).
+``microbatch_order`` (``auto``: the smallest simulated 1F1B time under PP, else ``packer``; or
+``largest_first``, ``bubble``, ``pipeline``).
 """
 
 from __future__ import annotations
@@ -244,14 +246,20 @@ def _units(groups, n, padded, capacity, config) -> list[list[int]] | None:
     return list(members.values())
 
 
+def _unit_sums(items: list[list[int]], values: np.ndarray) -> np.ndarray:
+    """``values`` (one per sample) summed over each unit's samples."""
+    flat, unit_id, _ = _flat(items)
+    return np.bincount(unit_id, weights=values[flat], minlength=len(items))
+
+
 def _plan_packing(padded, capacity, config, units, model: CostModel):
     """Bins of units (a unit: one sample, or one group) and the units, as sample-index lists."""
     items = units if units is not None else [[i] for i in range(padded.size)]
-    sizes = padded.copy() if units is None else np.array([int(padded[u].sum()) for u in items], dtype=np.int64)
+    sizes = padded.copy() if units is None else _unit_sums(items, padded).astype(np.int64)
     packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine)
     unit_bins = packer.pack(sizes)
     if config.cost_budget is not None:
-        costs = np.array([float(model.sequence_cost(padded[u]).sum()) for u in items])
+        costs = _unit_sums(items, model.sequence_cost(padded))
         cost_budget = config.cost_budget
         if cost_budget == "auto":
             cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(unit_bins))
@@ -268,9 +276,8 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
 def _rebalanced(unit_bins, items, padded, capacity, config, model: CostModel):
     """Rows to ranks by cost (`assign_balanced`), then single units moved or swapped between the rows of
     different ranks (`rebalance.rebalance_units`); returns the rows and each rank's row indices."""
-    flat, unit_id, _ = _flat(items)
-    sizes = np.bincount(unit_id, weights=padded[flat], minlength=len(items)).astype(np.int64)
-    costs = np.bincount(unit_id, weights=model.sequence_cost(padded[flat], config.cp_size), minlength=len(items))
+    sizes = _unit_sums(items, padded).astype(np.int64)
+    costs = _unit_sums(items, model.sequence_cost(padded, config.cp_size))
     units_in_bins, bin_id, _ = _flat(unit_bins)
     row_costs = np.bincount(bin_id, weights=costs[units_in_bins], minlength=len(unit_bins))
     assignment = assign_balanced(row_costs, config.dp_size)
