@@ -21,7 +21,7 @@ SMALL = [
     "data.long_samples=truncate",
     "data.vocab_size=1024",
     "training.global_batch_size=8",
-    "training.lr=0.01",
+    "optimizer.lr=0.01",
     "sequence_packing.train_mb_tokens=1024",
     "dynamic_batching.train_mb_tokens=1024",
     "logging.progress_bar=false",
@@ -87,17 +87,19 @@ def test_each_mode_trains_and_loss_decreases(tmp_path, mode_overrides, mode):
 
 @pytest.mark.slow
 def test_resume_continues_at_the_exact_next_sample(tmp_path):
-    straight = train(tmp_path / "a", "training.steps=4")
+    schedule = "optimizer.lr_decay_iters=4"  # the 2-step run follows the 4-step run's LR schedule
+    straight = train(tmp_path / "a", "training.steps=4", schedule)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    first = train(tmp_path / "b", "training.steps=2")
+    first = train(tmp_path / "b", "training.steps=2", schedule)
     assert first.returncode == 0, first.stderr[-3000:]
-    resumed = train(tmp_path / "b", "training.steps=4", "resume=true")
+    resumed = train(tmp_path / "b", "training.steps=4", schedule, "resume=true")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = metrics(tmp_path / "a"), metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert [r["sample_ids"] for r in a] == [r["sample_ids"] for r in b]  # nothing lost or repeated
     for x, y in zip(a, b, strict=True):
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(x["loss"]), (x["loss"], y["loss"])
+        assert abs(x["loss"] - y["loss"]) <= 1e-6 * abs(x["loss"]), (x["loss"], y["loss"])
+        assert x["lr"] == y["lr"] and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * x["grad_norm"]
     # Negative control: a run with another seed consumes different samples.
     other = train(tmp_path / "c", "training.steps=1", "training.seed=7")
     assert other.returncode == 0
@@ -114,7 +116,16 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["parallel.tp=2"], 1, "World size 1 does not factor"),
         (["sequence_packing.algorithm=magic"], 1, "sequence_packing: Unknown packing algorithm 'magic'"),
         (["sequence_packing.algorithm=concatenative", "sequence_packing.refine=true"], 1, "not available for"),
-        (["resume=true"], 1, "there is no checkpoint"),
+        (["resume=true"], 1, "holds no complete checkpoint"),
+        (["resume=maybe"], 1, "resume must be one of False, True, auto"),
+        (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0 is above optimizer.lr=0.01"),
+        (["optimizer.lr=0"], 1, "optimizer.lr=0.0 must be a number > 0.0"),
+        (["optimizer.optimizer=lion"], 1, "optimizer.optimizer must be one of adam, sgd"),
+        (
+            ["optimizer.lr_warmup_iters=30", "optimizer.lr_decay_iters=20"],
+            1,
+            "must exceed optimizer.lr_warmup_iters=30",
+        ),
         (
             ["parallel.pp=2", "sequence_packing.enabled=false", "dynamic_batching.enabled=true"],
             2,

@@ -1,89 +1,257 @@
-"""`Checkpointer`: when to save, where, and how to resume a run at the exact next sample.
+"""`Checkpointer`: when to save, where, and how a run resumes at the exact next sample, on any layout.
 
-Format: one ``torch.save`` file per rank under ``<checkpoint_dir>/step_NNNNNN/`` with the model shard,
-the optimizer, the sampler position and the RNG state, plus what export needs (the rank's place in the
-TP/PP/DP layout, its layers' global numbers, the model shape and ``model.hf_path``), and a ``latest``
-pointer. It resumes on the same parallel layout only; the loop talks to this class alone, so the format
-can change without touching it.
+A checkpoint is one folder ``<checkpoint_dir>/step_NNNNNN/`` holding
+
+- Megatron's distributed checkpoint (``torch_dist``): the model, the optimizer (the distributed
+  optimizer's state too) and each rank's RNG state, as shards of global tensors, so it loads at another
+  TP/PP/DP layout (`megatron.dist_checkpoint`);
+- ``mcore_packing.json``: the step, the sampler position, the LR schedule's state, the model shape, the
+  data set's fingerprint, the layout it was written at, the run's config, and the size of every file.
+
+Writes are atomic: every rank writes into ``.step_NNNNNN.partial``; once all have finished, rank 0 writes
+the manifest, renames the folder to ``step_NNNNNN`` and replaces the ``latest`` pointer (a temporary
+file renamed over it). A save killed half-way leaves only a ``.partial`` folder, which the next save
+removes. Then all but the newest ``training.keep_last`` complete checkpoints are deleted.
+
+Resuming (``resume=true``, or ``auto``) takes the newest complete checkpoint: a step folder whose
+manifest parses and whose files all exist with their recorded sizes; any other step folder is skipped
+with a warning that names it and what is wrong. A checkpoint of another model shape, data set, seed or
+optimizer kind is refused with an error naming what differs. Nothing is unpickled: the manifest is JSON
+and the tensors go through dist_checkpointing's loaders (``weights_only`` torch loads).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import warnings
+from dataclasses import asdict
 from pathlib import Path
+
+import numpy as np
 
 from .config import ConfigError, TrainConfig
 from .global_batches import GlobalBatchSampler
 from .model_setup import TrainingSetup
 
-__all__ = ["Checkpointer"]
+__all__ = [
+    "MANIFEST",
+    "Checkpointer",
+    "checkpoint_folder",
+    "data_fingerprint",
+    "find_checkpoint",
+    "read_manifest",
+    "resume_folder",
+]
+
+MANIFEST = "mcore_packing.json"
+FORMAT_VERSION = 2
+_STEP_PREFIX = "step_"
 
 
-def _layout(model) -> dict:
-    """This rank's place in the parallel layout and the global number of each of its layers."""
-    from megatron.core import parallel_state as ps
+def data_fingerprint(samples) -> str:
+    """A hash of every sample's tokens and loss mask, in order: the same data set gives the same value."""
+    digest = hashlib.sha256()
+    for sample in samples:
+        tokens = np.asarray(sample.tokens, dtype=np.int64)
+        digest.update(len(tokens).to_bytes(8, "little"))
+        digest.update(tokens.tobytes())
+        if sample.loss_mask is not None:
+            digest.update(np.asarray(sample.loss_mask, dtype=bool).tobytes())
+    return digest.hexdigest()[:32]
 
-    module = getattr(model, "module", model)
-    return {
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "tp_size": ps.get_tensor_model_parallel_world_size(),
-        "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "pp_size": ps.get_pipeline_model_parallel_world_size(),
-        "dp_rank": ps.get_data_parallel_rank(),
-        "cp_rank": ps.get_context_parallel_rank(),
-        "layer_numbers": [layer.layer_number - 1 for layer in module.decoder.layers],
-    }
+
+def _layout(cfg: TrainConfig, world_size: int) -> dict:
+    par = cfg.parallel
+    return {"tp": par.tp, "pp": par.pp, "cp": par.cp, "dp": world_size // par.model_parallel_size}
+
+
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a step folder; `ValueError` naming the folder and the problem when it is not a
+    complete checkpoint (missing or unreadable manifest, a missing or truncated file)."""
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"{folder} has no {MANIFEST} (a save that did not finish, or not a checkpoint)")
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path} is not readable JSON ({exc})") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path} has format_version {manifest.get('format_version')}, expected {FORMAT_VERSION}")
+    for name, size in manifest["files"].items():
+        file = folder / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing")
+        if file.stat().st_size != size:
+            raise ValueError(f"{file} has {file.stat().st_size} bytes, the manifest says {size} (truncated?)")
+    return manifest
+
+
+def find_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint under ``folder`` (None when there is none); incomplete or corrupt
+    step folders are skipped with a warning naming each."""
+    steps = sorted(
+        (p for p in folder.glob(f"{_STEP_PREFIX}*") if p.is_dir() and p.name[len(_STEP_PREFIX) :].isdigit()),
+        key=lambda p: int(p.name[len(_STEP_PREFIX) :]),
+        reverse=True,
+    )
+    for step in steps:
+        try:
+            read_manifest(step)
+        except ValueError as exc:
+            warnings.warn(f"skipping checkpoint {step}: {exc}", stacklevel=2)
+            continue
+        return step
+    return None
+
+
+def checkpoint_folder(cfg: TrainConfig) -> Path:
+    """Where the run's checkpoints live: ``training.checkpoint_dir``, else ``<run_dir>/checkpoints``."""
+    return Path(cfg.training.checkpoint_dir or os.path.join(cfg.run_dir, "checkpoints"))
+
+
+def resume_folder(cfg: TrainConfig) -> Path | None:
+    """Where ``resume`` starts: None for a fresh start (``resume=false``, or ``auto`` without a complete
+    checkpoint); a `ConfigError` for ``resume=true`` without one."""
+    if cfg.resume is False:
+        return None
+    folder = checkpoint_folder(cfg)
+    found = find_checkpoint(folder) if folder.is_dir() else None
+    if found is None and cfg.resume is True:
+        raise ConfigError(
+            f"resume=true but {folder} holds no complete checkpoint. Use resume=auto to start fresh when there "
+            "is none, or point training.checkpoint_dir at the run's checkpoints."
+        )
+    return found
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
 
 
 class Checkpointer:
-    """Saves every ``training.save_interval`` steps and at the end; `load_latest` resumes."""
+    """Saves every ``training.save_interval`` steps and after the last; `resume` restores the newest
+    complete checkpoint (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int):
-        self.folder = Path(cfg.training.checkpoint_dir or os.path.join(cfg.run_dir, "checkpoints"))
+    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, fingerprint: str):
+        self.cfg = cfg
+        self.folder = checkpoint_folder(cfg)
         self.interval = cfg.training.save_interval
+        self.keep_last = cfg.training.keep_last
         self.rank = rank
-        self.hf_path = cfg.model.hf_path
+        self.layout = _layout(cfg, world_size)
+        self.fingerprint = fingerprint
 
     def due(self, step: int, last_step: int) -> bool:
         """Save after ``step``: on the interval, and after the last step."""
         return (self.interval > 0 and step % self.interval == 0) or step == last_step
 
-    def save(self, step: int, setup: TrainingSetup, sampler: GlobalBatchSampler) -> None:
-        import torch
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        return find_checkpoint(self.folder) if self.folder.is_dir() else None
+
+    def _manifest(self, step: int, setup: TrainingSetup, sampler: GlobalBatchSampler) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "step": step,
+            "sampler": sampler.state_dict(),
+            "scheduler": setup.scheduler.state_dict(),
+            "model_shape": setup.shape.to_dict(),
+            "hf_path": self.cfg.model.hf_path,
+            "data_fingerprint": self.fingerprint,
+            "distributed_optimizer": self.cfg.optimizer.use_distributed_optimizer,
+            "layout": self.layout,
+            "config": asdict(self.cfg),
+        }
+
+    def save(self, step: int, setup: TrainingSetup, sampler: GlobalBatchSampler) -> Path:
+        """Collective: write the checkpoint of ``step`` (see the module docstring); returns its folder."""
         import torch.distributed as dist
 
-        folder = self.folder / f"step_{step:06d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        state = {
-            "step": step,
-            "model": setup.model.module.state_dict(),
-            "optimizer": setup.optimizer.state_dict(),
-            "sampler": sampler.state_dict(),
-            "torch_rng": torch.get_rng_state(),
-            "layout": _layout(setup.model),
-            "model_shape": setup.shape.to_dict(),
-            "hf_path": self.hf_path,
-        }
-        torch.save(state, folder / f"rank{self.rank:05d}.pt")
+        from ..megatron.dist_checkpoint import save_training_state
+
+        final = self.folder / f"{_STEP_PREFIX}{step:06d}"
+        partial = self.folder / f".{final.name}.partial"
+        if self.rank == 0:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        dist.barrier()
+        save_training_state(partial, setup.model, setup.optimizer)
         dist.barrier()
         if self.rank == 0:
-            (self.folder / "latest").write_text(folder.name)
+            manifest = self._manifest(step, setup, sampler)
+            manifest["files"] = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
+            _write_atomically(partial / MANIFEST, json.dumps(manifest, indent=1))
+            if final.exists():  # the same step saved again (a resumed run that re-ran it)
+                shutil.rmtree(final)
+            os.rename(partial, final)
+            _fsync_dir(self.folder)
+            _write_atomically(self.folder / "latest", final.name)
+            self._prune()
         dist.barrier()
+        return final
 
-    def latest(self) -> Path:
-        """The newest checkpoint's folder; a `ConfigError` when there is none."""
-        pointer = self.folder / "latest"
-        if not pointer.exists():
-            raise ConfigError(f"resume=true but {pointer} does not exist; there is no checkpoint in this run_dir yet.")
-        return self.folder / pointer.read_text().strip()
+    def _prune(self) -> None:
+        """Delete all but the newest ``keep_last`` complete checkpoints, and leftover partial folders."""
+        for stale in self.folder.glob(f".{_STEP_PREFIX}*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
+        if self.keep_last is None:
+            return
+        complete = sorted(p for p in self.folder.glob(f"{_STEP_PREFIX}*") if (p / MANIFEST).is_file())
+        for old in complete[: -self.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
 
-    def load_latest(self, setup: TrainingSetup, sampler: GlobalBatchSampler) -> int:
-        """Restore the newest checkpoint; returns its step."""
-        import torch
+    def check_compatible(self, manifest: dict, folder: Path, setup: TrainingSetup, sampler: GlobalBatchSampler):
+        """Refuse a checkpoint of another model, data set, seed or optimizer kind, naming what differs."""
+        differences = [
+            f"model.{key}: checkpoint {value!r}, this run {getattr(setup.shape, key)!r}"
+            for key, value in manifest["model_shape"].items()
+            if getattr(setup.shape, key) != value
+        ]
+        if manifest["data_fingerprint"] != self.fingerprint:
+            differences.append(
+                f"data: the checkpoint was trained on another data set (fingerprint {manifest['data_fingerprint']}, "
+                f"this run's {self.fingerprint}; {manifest['sampler']['num_samples']} vs {sampler.num_samples} samples)"
+            )
+        if manifest["sampler"]["seed"] != sampler.seed:
+            differences.append(f"training.seed: checkpoint {manifest['sampler']['seed']}, this run {sampler.seed}")
+        if manifest["distributed_optimizer"] != self.cfg.optimizer.use_distributed_optimizer:
+            differences.append(
+                f"optimizer.use_distributed_optimizer: checkpoint {manifest['distributed_optimizer']}, this run "
+                f"{self.cfg.optimizer.use_distributed_optimizer} (its optimizer state is stored differently)"
+            )
+        if differences:
+            raise ConfigError(
+                f"cannot resume from {folder}: " + "; ".join(differences) + ". Use the same settings, or a new "
+                "training.checkpoint_dir to start afresh."
+            )
 
-        state = torch.load(self.latest() / f"rank{self.rank:05d}.pt", weights_only=False)
-        setup.model.module.load_state_dict(state["model"])
-        setup.optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
-        torch.set_rng_state(state["torch_rng"])
-        return int(state["step"])
+    def load(self, folder: Path, setup: TrainingSetup, sampler: GlobalBatchSampler) -> int:
+        """Collective: restore model, optimizer, schedule, sampler (and RNG on the same layout); returns the
+        checkpoint's step."""
+        from ..megatron.dist_checkpoint import load_training_state
+
+        manifest = read_manifest(folder)
+        self.check_compatible(manifest, folder, setup, sampler)
+        same_layout = manifest["layout"] == self.layout
+        load_training_state(folder, setup.model, setup.optimizer, restore_rng=same_layout)
+        setup.scheduler.load_state_dict(manifest["scheduler"])
+        sampler.load_state_dict(manifest["sampler"])
+        return int(manifest["step"])

@@ -1,7 +1,7 @@
 """The trainer's structured configuration: one dataclass per Hydra group, each validated when it is built.
 
-Groups (YAML in ``hydra_configs/<group>/``): model, data, sequence_packing, dynamic_batching, parallel,
-training, logging, cluster. Keys of ``sequence_packing`` and ``dynamic_batching`` are NeMo-RL's. The same
+Groups (YAML in ``hydra_configs/<group>/``): model, optimizer, data, sequence_packing, dynamic_batching,
+parallel, training, logging, cluster. Keys of ``sequence_packing`` and ``dynamic_batching`` are NeMo-RL's. The same
 dataclasses are registered in Hydra's ConfigStore (schemas); the defaults list lives in YAML.
 
 Each group checks its own keys in ``__post_init__`` (`ConfigError` naming ``group.key`` and the fix);
@@ -22,6 +22,10 @@ from ..planning import BALANCES, ORDERS, CostModel, ModelShape, StepPlanConfig
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..validators import require_choice, require_positive_int
 
+LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # Megatron's OptimizerParamScheduler
+OPTIMIZERS = ("adam", "sgd")
+RESUME_CHOICES = (False, True, "auto")
+
 __all__ = [
     "ClusterConfig",
     "ConfigError",
@@ -29,6 +33,7 @@ __all__ = [
     "DynamicBatchingConfig",
     "LoggingConfig",
     "ModelConfig",
+    "OptimizerConfig",
     "ParallelConfig",
     "SequencePackingConfig",
     "TrainConfig",
@@ -76,11 +81,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     vocab_size: int | None = None  # None: the data's (compact) vocabulary
     max_sequence_length: int = 4096
-    dtype: str = "float32"  # float32 | bfloat16
+    dtype: str = "float32"  # float32 | bfloat16 | float16 (16-bit: fp32 master weights in the optimizer)
     attention_backend: str = "auto"  # auto | te | local
 
     def __post_init__(self):
-        _choice("model", self, "dtype", ("float32", "bfloat16"))
+        _choice("model", self, "dtype", ("float32", "bfloat16", "float16"))
         _choice("model", self, "attention_backend", ("auto", "te", "local"))
         self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
@@ -181,22 +186,92 @@ class ParallelConfig:
         return self.tp * self.pp * self.cp
 
 
+def _number(group: str, obj, name: str, *, low: float, high: float | None = None, open_low: bool = False) -> None:
+    value = getattr(obj, name)
+    bad = not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
+    bad = bad or value < low or (open_low and value == low) or (high is not None and value >= high)
+    if bad:
+        bound = f"> {low}" if open_low else f">= {low}"
+        bound += f" and < {high}" if high is not None else ""
+        raise ConfigError(f"{group}.{name}={value!r} must be a number {bound}.")
+
+
+@dataclass
+class OptimizerConfig:
+    """Megatron-Core's optimizer and LR schedule (``get_megatron_optimizer``, ``OptimizerParamScheduler``);
+    the key names are NeMo-RL's ``megatron_cfg.optimizer`` and ``megatron_cfg.scheduler`` ones."""
+
+    optimizer: str = "adam"  # adam (decoupled weight decay, as AdamW) | sgd
+    lr: float = 3e-3  # peak learning rate
+    min_lr: float = 0.0  # where the decay ends
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    sgd_momentum: float = 0.9
+    clip_grad: float = 1.0  # clip the global gradient norm to this (0: off)
+    use_distributed_optimizer: bool = False  # shard optimizer state and fp32 master weights over DP ranks
+    grad_reduce_in_fp32: bool = True  # 16-bit models: accumulate and all-reduce gradients in fp32
+    lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root
+    lr_warmup_iters: int = 2  # steps of linear warmup from lr_warmup_init to lr
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: int | None = None  # the step where the decay reaches min_lr; null: training.steps
+    initial_loss_scale: float = 4294967296.0  # fp16 only: dynamic loss scaling
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+
+    def __post_init__(self):
+        _choice("optimizer", self, "optimizer", OPTIMIZERS)
+        _choice("optimizer", self, "lr_decay_style", LR_DECAY_STYLES)
+        _number("optimizer", self, "lr", low=0.0, open_low=True)
+        for name in ("min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "sgd_momentum"):
+            _number("optimizer", self, name, low=0.0)
+        for name in ("adam_beta1", "adam_beta2"):
+            _number("optimizer", self, name, low=0.0, high=1.0)
+        _number("optimizer", self, "adam_eps", low=0.0, open_low=True)
+        _number("optimizer", self, "initial_loss_scale", low=1.0)
+        _number("optimizer", self, "min_loss_scale", low=0.0, open_low=True)
+        _positive("optimizer", self, "loss_scale_window", "hysteresis")
+        _positive("optimizer", self, "lr_decay_iters", allow_none=True)
+        if not isinstance(self.lr_warmup_iters, int) or self.lr_warmup_iters < 0:
+            raise ConfigError(f"optimizer.lr_warmup_iters={self.lr_warmup_iters!r} must be an integer >= 0.")
+        if self.min_lr > self.lr:
+            raise ConfigError(f"optimizer.min_lr={self.min_lr} is above optimizer.lr={self.lr}; lower min_lr.")
+        if self.lr_warmup_init > self.lr:
+            raise ConfigError(
+                f"optimizer.lr_warmup_init={self.lr_warmup_init} is above optimizer.lr={self.lr}; warmup rises to lr."
+            )
+
+    def decay_iters(self, steps: int) -> int:
+        """The step where the decay ends: ``lr_decay_iters``, else the run's length (at least one step
+        past the warmup, so a run shorter than the warmup still has a schedule)."""
+        if self.lr_decay_iters is None:
+            return max(steps, self.lr_warmup_iters + 1)
+        if self.lr_decay_style != "constant" and self.lr_decay_iters <= self.lr_warmup_iters:
+            raise ConfigError(
+                f"optimizer.lr_decay_iters={self.lr_decay_iters} must exceed optimizer.lr_warmup_iters="
+                f"{self.lr_warmup_iters}: the decay starts after the warmup."
+            )
+        return max(self.lr_decay_iters, self.lr_warmup_iters + 1)
+
+
 @dataclass
 class TrainingConfig:
     global_batch_size: int = 32
     steps: int = 20
-    lr: float = 3e-3
-    weight_decay: float = 0.0
     seed: int = 1234
     loss_normalization: str = "token_mean"  # token_mean | sequence_mean
     padded_micro_batch_rows: int = 4  # rows per micro-batch when neither packing nor dynamic batching is on
     balance: str = "cost"  # cost (attention-aware) | tokens | round_robin: micro-batches to DP ranks
     save_interval: int = 0  # steps between checkpoints (0: only at the end)
+    keep_last: int | None = 3  # complete checkpoints to keep (older ones are deleted); null: keep all
     checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
     export_dir: str | None = None  # after the last step, write a Hugging Face folder here (needs model.family)
 
     def __post_init__(self):
         _positive("training", self, "global_batch_size", "steps", "padded_micro_batch_rows")
+        _positive("training", self, "keep_last", allow_none=True)
         _choice("training", self, "loss_normalization", ("token_mean", "sequence_mean"))
         _choice("training", self, "balance", BALANCES)
 
@@ -226,6 +301,7 @@ class ClusterConfig:
 @dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
@@ -235,11 +311,15 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     run_name: str = "sft"
     run_dir: str = "outputs/local/sft"
-    resume: bool = False
+    resume: Any = False  # false | true (the newest complete checkpoint; error if none) | auto (that, or start)
+
+    def __post_init__(self):
+        require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
 
 
 GROUPS = {
     "model": ModelConfig,
+    "optimizer": OptimizerConfig,
     "data": DataConfig,
     "sequence_packing": SequencePackingConfig,
     "dynamic_batching": DynamicBatchingConfig,
@@ -264,6 +344,7 @@ def validate_layout(cfg: TrainConfig, world_size: int) -> int:
             "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "
             "have different shapes."
         )
+    cfg.optimizer.decay_iters(cfg.training.steps)  # the LR decay must end after the warmup
     return world_size // par.model_parallel_size
 
 

@@ -3,11 +3,12 @@
     python -m mcore_packing export --checkpoint outputs/local/sft/checkpoints --out my-model
     python -m mcore_packing export --checkpoint outputs/local/sft/checkpoints/step_000200 --out my-model --dtype float32
 
-``--checkpoint`` is a step folder or the checkpoint folder (its ``latest`` step). One process reads every
-rank's file (data-parallel rank 0, context-parallel rank 0 of each TP/PP position), merges the TP shards
-of every pipeline stage (`megatron.hf_weights.merge_to_hf`) and writes config.json, safetensors shards
-with their index and the tokenizer files of the folder the run was imported from. The model must be one
-of the Hugging Face families (a run with ``model.hf_path``, or a recipe's family).
+``--checkpoint`` is a step folder or the checkpoint folder (its newest complete step). One process builds
+the model at TP1/PP1 (torch.distributed with a world of one, gloo), loads the distributed checkpoint into
+it (Megatron joins the TP shards and pipeline stages, whatever layout wrote them), converts the names
+(`megatron.hf_weights.merge_to_hf`) and writes config.json, safetensors shards with their index and the
+tokenizer files of the folder the run was imported from. It needs memory for the whole model. The model
+must be one of the Hugging Face families (a run with ``model.hf_path``, or a recipe's family).
 """
 
 from __future__ import annotations
@@ -20,37 +21,41 @@ __all__ = ["export_checkpoint", "main"]
 
 
 def _step_folder(path: Path) -> Path:
-    if (path / "latest").is_file():
-        return path / (path / "latest").read_text().strip()
-    if not any(path.glob("rank*.pt")):
-        raise FileNotFoundError(f"{path} is neither a checkpoint step folder (rank*.pt) nor holds a 'latest' pointer.")
-    return path
+    from .checkpoint import MANIFEST, find_checkpoint
+
+    if (path / MANIFEST).is_file():
+        return path
+    found = find_checkpoint(path) if path.is_dir() else None
+    if found is None:
+        raise FileNotFoundError(f"{path} is neither a checkpoint step folder ({MANIFEST}) nor holds a complete one.")
+    return found
 
 
 def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
-    """Write the Hugging Face folder of a training checkpoint; returns ``out``."""
+    """Write the Hugging Face folder of a training checkpoint; returns ``out``. Starts torch.distributed
+    (a world of one) when it is not running; call it from a process without a parallel layout."""
     import torch
 
+    from ..megatron import build_gpt_model, cpu_device_adapter, initialize_parallel
+    from ..megatron.dist_checkpoint import load_training_state
     from ..megatron.hf_folder import save_hf_folder
     from ..megatron.hf_weights import merge_to_hf
     from ..planning import ModelShape
+    from .checkpoint import read_manifest
+    from .model_setup import init_distributed
 
     folder = _step_folder(Path(checkpoint))
-    shards, layers, meta = {}, {}, None
-    for path in sorted(folder.glob("rank*.pt")):
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        if "layout" not in state:
-            raise ValueError(f"{path} was written before checkpoints recorded their layout; it cannot be exported.")
-        layout, meta = state["layout"], state
-        if layout["dp_rank"] == 0 and layout["cp_rank"] == 0:
-            shards[(layout["pp_rank"], layout["tp_rank"])] = state["model"]
-            layers[layout["pp_rank"]] = layout["layer_numbers"]
-    tp, pp = meta["layout"]["tp_size"], meta["layout"]["pp_size"]
-    missing = [(p, t) for p in range(pp) for t in range(tp) if (p, t) not in shards]
-    if missing:
-        raise ValueError(f"{folder} lacks the files of (pp, tp) ranks {missing}; the checkpoint is incomplete.")
-    shape = ModelShape(**meta["model_shape"])
-    return save_hf_folder(merge_to_hf(shards, layers, shape), shape, out, source=meta["hf_path"], dtype=dtype)
+    manifest = read_manifest(folder)
+    shape = ModelShape(**manifest["model_shape"])
+    init_distributed("gloo")
+    with cpu_device_adapter(force=True):
+        initialize_parallel(tp=1, pp=1, cp=1, seed=0)
+        trained_dtype = getattr(torch, manifest["config"]["model"]["dtype"])
+        model, _ = build_gpt_model(shape, dtype=trained_dtype, device="cpu")
+        load_training_state(folder, model, None, restore_rng=False)
+    layers = [layer.layer_number - 1 for layer in model.module.decoder.layers]
+    hf = merge_to_hf({(0, 0): model.module.state_dict()}, {0: layers}, shape)
+    return save_hf_folder(hf, shape, out, source=manifest["hf_path"], dtype=dtype)
 
 
 def main(argv: list[str] | None = None) -> int:

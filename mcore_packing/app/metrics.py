@@ -1,8 +1,9 @@
 """`MetricsLogger`: one record per step to the console, ``metrics.jsonl`` and (optionally) TensorBoard.
 
-Each record has the loss, tokens/s, useful vs computed tokens, micro-batches per rank, the rank balance
-of tokens and of attention-aware cost, and the step time next to the time a cost model calibrated on the
-earlier steps predicted for it. Only rank 0 writes.
+Each record has the loss, the learning rate, the gradient norm (before clipping), tokens/s, useful vs
+computed tokens, micro-batches per rank, the rank balance of tokens and of attention-aware cost, and the
+step time next to the time a cost model calibrated on the earlier steps predicted for it. Only rank 0
+writes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ log = logging.getLogger("mcore_packing.train")
 
 _TENSORBOARD_KEYS = (
     "loss",
+    "lr",
+    "grad_norm",
     "tokens_per_s",
     "utilization",
     "microbatches_per_rank",
@@ -53,6 +56,9 @@ class MetricsLogger:
         record = {
             "step": step,
             "loss": outcome.result.loss,
+            "lr": outcome.lr,
+            "grad_norm": outcome.grad_norm,
+            "update_applied": outcome.updated,
             "tokens_per_s": stats["real_tokens"] / outcome.seconds,
             "useful_tokens": stats["real_tokens"],
             "padded_tokens": stats["padded_tokens"],
@@ -86,7 +92,9 @@ class MetricsLogger:
 
 
 def _console_text(r: dict) -> str:
-    text = f"{r['loss']:.4f}"
+    text = f"{r['loss']:.4f} | lr {r['lr']:.3g}"
+    if r["grad_norm"] is not None:
+        text += f" | grad norm {r['grad_norm']:.3f}"
     if r["predicted_step_time_s"] is not None:
         text += f" | step {r['step_time_s']:.2f}s (predicted {r['predicted_step_time_s']:.2f}s)"
     return (

@@ -1,6 +1,7 @@
-"""Setting up a run: torch.distributed, Megatron's parallel state, the model and its optimizer.
+"""Setting up a run: torch.distributed, Megatron's parallel state, the model, Megatron's optimizer and
+its learning-rate schedule.
 
-`setup_training` is the one place the trainer builds these, so swapping the optimizer (or how the model
+`setup_training` is the one place the trainer builds these, so changing the optimizer (or how the model
 is made) touches only this module.
 """
 
@@ -18,12 +19,12 @@ __all__ = ["TrainingSetup", "default_device", "device_context", "init_distribute
 
 @dataclass
 class TrainingSetup:
-    """What a training loop needs: the (DDP-wrapped) model, its trainable parameters, the optimizer, the
-    process groups and the device."""
+    """What a training loop needs: the (Megatron DDP-wrapped) model, Megatron's optimizer and
+    ``OptimizerParamScheduler``, the process groups and the device."""
 
     model: object
-    params: list
     optimizer: object
+    scheduler: object
     groups: object
     device: object
     rank: int
@@ -73,7 +74,8 @@ def device_context(device):
 
 def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
     """Distributed start, parallel groups, the GPTModel of ``shape`` (with the weights of
-    ``model.hf_path`` when set) and an AdamW over its parameters. Call inside `device_context`."""
+    ``model.hf_path`` when set), Megatron's optimizer and LR schedule (``cfg.optimizer``). Call inside
+    `device_context`."""
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -81,7 +83,8 @@ def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
     from ..megatron import ParallelGroups, build_gpt_model, initialize_parallel
     from ..megatron.hf_weights import load_hf_weights
 
-    par = cfg.parallel
+    par, opt = cfg.parallel, cfg.optimizer
+    dtype = getattr(torch, cfg.model.dtype)  # float32 | bfloat16 | float16
     init_distributed(cfg.cluster.backend)
     initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, seed=cfg.training.seed)
     device = default_device()
@@ -92,10 +95,12 @@ def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
         cp=par.cp,
         sequence_parallel=par.sequence_parallel,
         variable_seq_lengths=par.variable_seq_lengths,
-        dtype=torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32,
+        dtype=dtype,
         attention_backend=cfg.model.attention_backend,
         seed=cfg.training.seed,
         device=device,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+        grad_reduce_in_fp32=opt.grad_reduce_in_fp32 and dtype != torch.float32,
     )
     if cfg.model.hf_path is not None:
         stats = load_hf_weights(
@@ -103,15 +108,38 @@ def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
         )
         if dist.get_rank() == 0:
             print(f"[rank 0] loaded {stats['tensors_read']} tensors from {cfg.model.hf_path}", flush=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.training.lr, weight_decay=cfg.training.weight_decay)
+    optimizer, scheduler = _optimizer_and_scheduler(cfg, model, dtype)
     return TrainingSetup(
         model=model,
-        params=params,
         optimizer=optimizer,
+        scheduler=scheduler,
         groups=ParallelGroups.from_megatron(),
         device=device,
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
         shape=shape,
     )
+
+
+def _optimizer_and_scheduler(cfg: TrainConfig, model, dtype):
+    """Megatron's optimizer from ``cfg.optimizer`` (the keys `build_optimizer` takes, by name) and its
+    LR schedule."""
+    import inspect
+    from dataclasses import asdict
+
+    from ..megatron.optimizer import build_optimizer, build_scheduler
+
+    opt = cfg.optimizer
+    takes = inspect.signature(build_optimizer).parameters
+    optimizer = build_optimizer(model, dtype=dtype, **{k: v for k, v in asdict(opt).items() if k in takes})
+    scheduler = build_scheduler(
+        optimizer,
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_init=opt.lr_warmup_init,
+        lr_warmup_iters=opt.lr_warmup_iters,
+        lr_decay_iters=opt.decay_iters(cfg.training.steps),
+        lr_decay_style=opt.lr_decay_style,
+        weight_decay=opt.weight_decay,
+    )
+    return optimizer, scheduler

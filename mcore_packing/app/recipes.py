@@ -21,6 +21,7 @@ from .config import (
     ClusterConfig,
     DataConfig,
     ModelConfig,
+    OptimizerConfig,
     ParallelConfig,
     SequencePackingConfig,
     TrainConfig,
@@ -38,6 +39,8 @@ __all__ = [
     "qwen2_7b_grpo_cp",
     "qwen3_0_6b_sft_single_gpu",
     "qwen3_8b_sft_packed",
+    "rl_optimizer",
+    "sft_optimizer",
     "tiny_cpu_sft",
 ]
 
@@ -115,6 +118,21 @@ def _fits(cfg: TrainConfig) -> TrainConfig:
     return cfg
 
 
+def sft_optimizer(lr: float, steps: int) -> OptimizerConfig:
+    """Fine-tuning a pretrained model: AdamW (beta2 0.98), weight decay 0.01, clipping at 1, warmup over
+    the first 5% of the steps (at most 50), cosine decay to lr/10; optimizer state sharded over DP."""
+    return OptimizerConfig(lr=lr, min_lr=lr / 10, weight_decay=0.01, adam_beta2=0.98, clip_grad=1.0,
+                           lr_decay_style="cosine", lr_warmup_iters=min(50, max(1, steps // 20)),
+                           use_distributed_optimizer=True)  # fmt: skip
+
+
+def rl_optimizer(lr: float) -> OptimizerConfig:
+    """Policy optimization: a small constant learning rate after a short warmup, weight decay 0.01,
+    clipping at 1; optimizer state sharded over DP."""
+    return OptimizerConfig(lr=lr, min_lr=lr, weight_decay=0.01, clip_grad=1.0, lr_decay_style="constant",
+                           lr_warmup_iters=10, use_distributed_optimizer=True)  # fmt: skip
+
+
 def tiny_cpu_sft(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
     """The README's default: a tiny GPT on CHAMP, packed, gloo on CPU."""
     return TrainConfig(cluster=_cluster(num_nodes, gpus_per_node, "auto"), run_name="tiny-cpu-sft")
@@ -127,6 +145,7 @@ def _family_recipe(
     parallel: ParallelConfig,
     packing: SequencePackingConfig,
     training: TrainingConfig,
+    optimizer: OptimizerConfig,
     cluster: ClusterConfig,
     max_sample_tokens: int,
 ) -> TrainConfig:
@@ -136,6 +155,7 @@ def _family_recipe(
     return _fits(
         TrainConfig(
             model=model,
+            optimizer=optimizer,
             data=data,
             sequence_packing=packing,
             parallel=parallel,
@@ -154,7 +174,8 @@ def llama3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainCon
         "Llama-3.1-8B",
         parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
         packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192, algorithm="modified_first_fit_decreasing"),
-        training=TrainingConfig(global_batch_size=128, steps=1000, lr=1e-5, weight_decay=0.01),
+        training=TrainingConfig(global_batch_size=128, steps=1000),
+        optimizer=sft_optimizer(1e-5, 1000),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=8192,
     )
@@ -174,7 +195,8 @@ def qwen2_7b_grpo_cp(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
             algorithm="modified_first_fit_decreasing",
             microbatch_order="largest_first",
         ),
-        training=TrainingConfig(global_batch_size=512, steps=500, lr=1e-6, loss_normalization="token_mean"),
+        training=TrainingConfig(global_batch_size=512, steps=500, loss_normalization="token_mean"),
+        optimizer=rl_optimizer(1e-6),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=16384,
     )
@@ -188,7 +210,8 @@ def llama3_70b_sft_long_context(num_nodes: int = 8, gpus_per_node: int = 8) -> T
         "Llama-3.1-70B",
         parallel=ParallelConfig(tp=tp, pp=4, cp=2, sequence_parallel=tp > 1, variable_seq_lengths=True),
         packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
-        training=TrainingConfig(global_batch_size=64, steps=500, lr=5e-6),
+        training=TrainingConfig(global_batch_size=64, steps=500),
+        optimizer=sft_optimizer(5e-6, 500),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=32768,
     )
@@ -202,7 +225,8 @@ def qwen3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConf
         "Qwen3-8B",
         parallel=ParallelConfig(tp=tp, sequence_parallel=tp > 1),
         packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192),
-        training=TrainingConfig(global_batch_size=128, steps=1000, lr=1e-5, weight_decay=0.01),
+        training=TrainingConfig(global_batch_size=128, steps=1000),
+        optimizer=sft_optimizer(1e-5, 1000),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=8192,
     )
@@ -215,7 +239,8 @@ def _single_gpu_recipe(name: str, model_name: str, num_nodes: int, gpus_per_node
         model_name,
         parallel=ParallelConfig(),
         packing=SequencePackingConfig(enabled=True, train_mb_tokens=16384),
-        training=TrainingConfig(global_batch_size=64, steps=500, lr=1e-5, weight_decay=0.01),
+        training=TrainingConfig(global_batch_size=64, steps=500),
+        optimizer=sft_optimizer(1e-5, 500),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=16384,
     )

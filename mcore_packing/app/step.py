@@ -1,7 +1,8 @@
-"""One training step: a planned global batch through Megatron's schedule, then the optimizer step.
+"""One training step: a planned global batch through Megatron's schedule, then Megatron's optimizer step
+and one step of its learning-rate schedule.
 
-The loop (`trainer.train`) calls `train_step` once per step; what it does with the gradients (the
-optimizer, clipping, the LR schedule) lives here and in `model_setup`, nowhere else.
+The loop (`trainer.train`) calls `train_step` once per step; what it does with the gradients (clipping,
+mixed precision, the distributed optimizer) is Megatron's optimizer, built in `model_setup`.
 """
 
 from __future__ import annotations
@@ -19,25 +20,35 @@ __all__ = ["StepOutcome", "train_step"]
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """The schedule driver's `StepResult` and the wall time of the whole step (forward, backward, update)."""
+    """The schedule driver's `StepResult`, the wall time of the whole step (forward, backward, update),
+    the learning rate the update used, the gradient norm before clipping, and whether the update was
+    applied (fp16 skips it when the scaled gradients overflowed)."""
 
     result: object
     seconds: float
+    lr: float
+    grad_norm: float | None
+    updated: bool
 
 
 def train_step(
     setup: TrainingSetup, samples: Sequence[SequenceSample], plan: StepPlan, *, normalization: str
 ) -> StepOutcome:
-    """Zero the gradient buffers, run the plan (exact global loss), copy Megatron DDP's ``main_grad`` into
-    ``.grad`` for the torch optimizer, and step it."""
+    """Zero the gradient buffers, run the plan (exact global loss; Megatron's finalize reduces the
+    gradients over DP/CP), step Megatron's optimizer, then the LR schedule."""
     from ..megatron import run_step
 
     setup.model.zero_grad_buffer()
+    setup.optimizer.zero_grad()
     start = time.perf_counter()
     result = run_step(setup.model, samples, plan, setup.groups, normalization=normalization, device=setup.device)
-    for p in setup.params:
-        if getattr(p, "main_grad", None) is not None:
-            p.grad = p.main_grad.to(p.dtype)
-    setup.optimizer.step()
-    setup.optimizer.zero_grad(set_to_none=True)
-    return StepOutcome(result=result, seconds=time.perf_counter() - start)
+    lr = setup.optimizer.param_groups[0]["lr"]
+    updated, grad_norm, _ = setup.optimizer.step()
+    setup.scheduler.step(increment=1)
+    return StepOutcome(
+        result=result,
+        seconds=time.perf_counter() - start,
+        lr=float(lr),
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        updated=bool(updated),
+    )

@@ -2,8 +2,10 @@
 
     data      = load_data(cfg)                         samples + vocabulary (`mcore_packing.data.sft`)
     plan cfg  = config.plan_config(cfg, dp)            the one config -> planner translation
-    setup     = model_setup.setup_training(cfg, vocab) distributed, model, optimizer
+    setup     = model_setup.setup_training(cfg, vocab) distributed, model, Megatron optimizer + LR schedule
+    resume    = checkpoint.resume_folder(cfg)          newest complete checkpoint (resume=true|auto)
     each step: sampler.next_batch -> plan_step -> step.train_step -> metrics.log_step -> checkpointer
+    stop      = stop_request.StopRequest               a cluster's "save and exit" (Slurm --signal)
 
 Every rank loads the same samples, draws the same global batch from a seeded sampler, plans it
 identically (no communication) and runs only its share. `dry_run` does everything up to the plan of the
@@ -21,12 +23,13 @@ from pathlib import Path
 
 from ..data.sft import SftData, load_sft_data
 from ..planning import ModelShape, StepPlanConfig, plan_step
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
 from .model_setup import default_device, device_context, setup_training
 from .step import train_step
+from .stop_request import StopRequest
 
 __all__ = ["RunInputs", "dry_run", "load_data", "prepare_run", "quiet_megatron_on_cpu", "train"]
 
@@ -51,6 +54,7 @@ class RunInputs:
     data: SftData
     lengths: list[int]
     shape: ModelShape
+    resume: Path | None
 
 
 def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> RunInputs:
@@ -64,8 +68,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
         )
     if cfg.training.export_dir and cfg.model.hf_path is None and cfg.model.family == "gpt":
         raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
-    if cfg.resume:
-        Checkpointer(cfg, rank=0).latest()
+    resume = resume_folder(cfg)
     data = load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
     _warn_ignored_model_keys(cfg, shape)
@@ -73,7 +76,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
     GlobalBatchSampler(len(lengths), cfg.training.global_batch_size, cfg.training.seed)  # batch <= data set
-    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths, shape=shape)
+    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume)
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
@@ -104,14 +107,16 @@ def train(cfg: TrainConfig) -> dict:
     inputs = prepare_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     step_config, data, lengths = inputs.step_config, inputs.data, inputs.lengths
     sampler = GlobalBatchSampler(len(data.samples), cfg.training.global_batch_size, cfg.training.seed)
-    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": step_config.mode}
+    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": step_config.mode, "stopped_at": None}
     with device_context(default_device()):
         setup = setup_training(cfg, inputs.shape)
         _announce(cfg, setup, data, step_config.mode)
         summary["rank"] = setup.rank
-        checkpointer = Checkpointer(cfg, setup.rank)
-        start = checkpointer.load_latest(setup, sampler) if cfg.resume else 0
-        metrics = MetricsLogger(cfg, setup.rank)
+        checkpointer = Checkpointer(cfg, setup.rank, setup.world_size, data_fingerprint(data.samples))
+        start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
+        if inputs.resume:
+            log.info("resumed from %s at step %d", inputs.resume, start)
+        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest()
         for step in range(start + 1, cfg.training.steps + 1):
             batch_ids = sampler.next_batch()
             plan = plan_step([lengths[i] for i in batch_ids], step_config)
@@ -121,28 +126,37 @@ def train(cfg: TrainConfig) -> dict:
             summary["losses"].append(outcome.result.loss)
             summary["steps"].append(step)
             summary["sample_ids"].append(batch_ids)
-            if checkpointer.due(step, cfg.training.steps):
+            stopping = stop.requested()
+            if checkpointer.due(step, cfg.training.steps) or stopping:
                 checkpointer.save(step, setup, sampler)
+            if stopping:
+                log.info("stop requested (%s): saved step %d and exiting; resume=auto continues", stop.reason, step)
+                summary["stopped_at"] = step
+                break
         metrics.close()
-    if cfg.training.export_dir:
+    if cfg.training.export_dir and summary["stopped_at"] is None:
         _export_at_end(cfg, checkpointer, setup.rank)
     return summary
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:
-    """Rank 0 writes the Hugging Face folder from the last checkpoint (every rank wrote its shard)."""
+    """Rank 0 writes the Hugging Face folder from the last checkpoint, in a process of its own (export
+    loads the checkpoint at TP1/PP1, a layout this job's parallel state is not); the others wait."""
+    import subprocess
+    import sys
+
     import torch.distributed as dist
 
     if rank == 0:
-        from .export_command import export_checkpoint
-
-        out = export_checkpoint(checkpointer.latest(), cfg.training.export_dir, dtype=_export_dtype(cfg))
-        log.info("exported a Hugging Face folder to %s", out)
+        env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
+        command = [sys.executable, "-m", "mcore_packing", "export", "--checkpoint", str(checkpointer.latest()),
+                   "--out", cfg.training.export_dir, "--dtype", cfg.model.dtype]  # fmt: skip
+        subprocess.run(command, env=env, check=True)
+        log.info("exported a Hugging Face folder to %s", cfg.training.export_dir)
     dist.barrier()
 
 
-def _export_dtype(cfg: TrainConfig) -> str:
-    return "bfloat16" if cfg.model.dtype == "bfloat16" else "float32"
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _announce(cfg: TrainConfig, setup, data: SftData, mode: str) -> None:

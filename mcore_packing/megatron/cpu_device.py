@@ -2,8 +2,9 @@
 
 Megatron hard-codes CUDA in a few places on the training path (megatron-core 0.16.1): tensor factories
 with ``device="cuda"`` or ``torch.cuda.current_device()`` in the pipeline schedules and p2p
-communication, ``torch.cuda.synchronize()``, RoPE moving ``inv_freq`` to the current CUDA device, and
-buffers in tensor-parallel layers, mappings, ``utils.GlobalMemoryBuffer`` and the DDP grad buffers.
+communication, ``torch.cuda.synchronize()``, RoPE moving ``inv_freq`` to the current CUDA device,
+buffers in tensor-parallel layers, mappings, ``utils.GlobalMemoryBuffer`` and the DDP grad buffers, the
+optimizers' scalars (found-inf flag, loss scale, clipping), and dist_checkpointing's save finalization.
 
 The adapter replaces the module-global name ``torch`` inside exactly those Megatron modules with a proxy:
 tensor factories given a CUDA (or integer) device allocate on the CPU, ``torch.cuda.current_device()``
@@ -11,7 +12,10 @@ returns the CPU device and ``torch.cuda.synchronize()`` does nothing. A factory 
 (BSHD RoPE's CP index, ``torch.tensor(..., pin_memory=True).cuda()``) returns an unpinned CPU tensor
 whose ``.cuda()`` stays on the CPU. ``Tensor.cuda()`` called from one of those modules (tied embeddings
 under PP: ``weight.data.cuda()`` before the embedding all-reduce) returns the tensor itself while the
-adapter is active; called from anywhere else it is torch's own. Everything else passes through to the
+adapter is active; called from anywhere else it is torch's own. Likewise ``Tensor.type()`` asked from one
+of those modules answers a CPU tensor's CUDA type string ('torch.cuda.FloatTensor'): Megatron's
+optimizers (FP32, mixed precision, distributed) and gradient clipping accept parameters by that string
+alone. Everything else passes through to the
 real torch. Every redirected call site is recorded, so a test can pin the exact set to the installed
 megatron-core and an upgrade cannot silently change it.
 
@@ -41,6 +45,12 @@ PATCHED_MODULES = (
     "megatron.core.distributed.param_and_grad_buffer",
     "megatron.core.distributed.distributed_data_parallel",
     "megatron.core.models.common.language_module.language_module",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
 )
 """Megatron modules whose ``torch`` global is redirected while the adapter is active."""
 
@@ -140,6 +150,9 @@ class CpuDeviceAdapter:
         if "Tensor.cuda" not in self._saved:
             self._saved["Tensor.cuda"] = torch.Tensor.cuda
             torch.Tensor.cuda = self._tensor_cuda(torch.Tensor.cuda)
+        if "Tensor.type" not in self._saved:
+            self._saved["Tensor.type"] = torch.Tensor.type
+            torch.Tensor.type = self._tensor_type(torch.Tensor.type)
 
     def _tensor_cuda(self, original):
         adapter, modules = self, set(self.modules)
@@ -153,10 +166,27 @@ class CpuDeviceAdapter:
 
         return cuda
 
+    def _tensor_type(self, original):
+        """``Tensor.type()`` (no arguments) asked from a listed module names a CPU tensor by its CUDA type
+        string: Megatron's optimizers accept parameters only as 'torch.cuda.FloatTensor' and the like."""
+        adapter, modules = self, set(self.modules)
+
+        def type_(tensor, *args, **kwargs):
+            name = original(tensor, *args, **kwargs)
+            if args or kwargs or tensor.device.type != "cpu":
+                return name
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if caller in modules:
+                adapter._record(caller, "Tensor.type")
+                return name.replace("torch.", "torch.cuda.", 1)
+            return name
+
+        return type_
+
     def uninstall(self) -> None:
         for name, original in self._saved.items():
-            if name == "Tensor.cuda":
-                torch.Tensor.cuda = original
+            if name in ("Tensor.cuda", "Tensor.type"):
+                setattr(torch.Tensor, name.split(".")[1], original)
             else:
                 sys.modules[name].torch = original
         self._saved.clear()

@@ -29,18 +29,20 @@ def _tag_sequence_parallel(module: torch.nn.Module, config) -> None:
 
 
 class LocalLayerNorm(torch.nn.LayerNorm):
-    """torch LayerNorm built the way Megatron builds norms, usable with sequence parallelism."""
+    """torch LayerNorm built the way Megatron builds norms (parameters in ``config.params_dtype``, which
+    Megatron's mixed-precision optimizers expect of every parameter), usable with sequence parallelism."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=getattr(config, "params_dtype", None))
         _tag_sequence_parallel(self, config)
 
 
 class LocalRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm built the way Megatron builds norms, usable with sequence parallelism."""
+    """torch RMSNorm built the way Megatron builds norms (parameters in ``config.params_dtype``), usable
+    with sequence parallelism."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
-        super().__init__(hidden_size, eps=eps)
+        super().__init__(hidden_size, eps=eps, dtype=getattr(config, "params_dtype", None))
         _tag_sequence_parallel(self, config)
 
 

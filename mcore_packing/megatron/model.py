@@ -72,6 +72,7 @@ def transformer_config(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         variable_seq_lengths=variable_seq_lengths,
@@ -118,8 +119,15 @@ def build_gpt_model(
     attention_backend: str = "auto",
     seed: int = 0,
     device: torch.device | str | None = None,
+    use_distributed_optimizer: bool = False,
+    grad_reduce_in_fp32: bool = False,
 ):
-    """A DDP-wrapped GPTModel chunk for this pipeline stage and its TransformerConfig."""
+    """A DDP-wrapped GPTModel chunk for this pipeline stage and its TransformerConfig.
+
+    ``use_distributed_optimizer`` lays the gradient buffer out for Megatron's distributed optimizer
+    (optimizer state sharded over DP); ``grad_reduce_in_fp32`` keeps the gradient buffer (and its
+    all-reduce) in fp32 when the parameters are bf16.
+    """
     require_megatron()
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -156,7 +164,11 @@ def build_gpt_model(
         model = model.to(device)
     ddp = DistributedDataParallel(
         config,
-        DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
+        DistributedDataParallelConfig(
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=use_distributed_optimizer,
+            grad_reduce_in_fp32=grad_reduce_in_fp32,
+        ),
         model,
     )
     config.finalize_model_grads_func = finalize_model_grads
