@@ -140,3 +140,38 @@ def adam_reference_worker(
         result["reloaded_error"] = error(references[True])
         result["call_sites"] = sorted(adapter.call_sites) if adapter is not None else []
         return result
+
+
+def save_load_timing_worker(rank: int, world_size: int, *, root: str, repeats: int = 3):
+    """The README's main job (the Hydra defaults) after one step: checkpoint size, save and load seconds
+    (each the best of ``repeats``), through the trainer's own `Checkpointer`."""
+    import time
+
+    from mcore_packing.app.checkpoint import Checkpointer, data_fingerprint
+    from mcore_packing.app.global_batches import GlobalBatchSampler
+    from mcore_packing.app.model_setup import default_device, device_context, setup_training
+    from mcore_packing.app.step import train_step
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+    from mcore_packing.planning import plan_step
+
+    cfg = compose_config(None, [f"run_dir={root}", "logging.progress_bar=false"])
+    inputs = prepare_run(cfg, world_size)
+    sampler = GlobalBatchSampler(len(inputs.lengths), cfg.training.global_batch_size, cfg.training.seed)
+    with device_context(default_device()):
+        setup = setup_training(cfg, inputs.shape)
+        ids = sampler.next_batch()
+        plan = plan_step([inputs.lengths[i] for i in ids], inputs.step_config)
+        train_step(setup, [inputs.data.samples[i] for i in ids], plan, normalization=cfg.training.loss_normalization)
+        checkpointer = Checkpointer(cfg, setup.rank, world_size, data_fingerprint(inputs.data.samples))
+        saves, loads = [], []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            folder = checkpointer.save(1, setup, sampler)
+            saves.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            checkpointer.load(folder, setup, sampler)
+            loads.append(time.perf_counter() - start)
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    params = sum(p.numel() for p in setup.model.parameters())
+    return {"bytes": size, "parameters": params, "save_s": min(saves), "load_s": min(loads)}

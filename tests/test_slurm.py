@@ -47,8 +47,9 @@ def slurm_env():
     if proc.returncode != 0:
         _skip_or_fail(f"local Slurm did not start:\n{proc.stdout}\n{proc.stderr}")
     conf = next(line.split("=", 1)[1] for line in proc.stdout.splitlines() if line.startswith("SLURM_CONF="))
-    env = {**os.environ, "SLURM_CONF": conf, "MASTER_ADDR": "127.0.0.1"}  # node names do not resolve here
-    env.pop("RANK", None)
+    env = {**os.environ, "SLURM_CONF": conf}
+    for name in ("RANK", "MASTER_ADDR", "MASTER_PORT"):  # the nodes n1, n2 do not resolve: NodeAddr must be used
+        env.pop(name, None)
     yield env
     subprocess.run([str(ROOT / "tests/slurm/local_slurm.sh"), "stop"], capture_output=True, timeout=60)
 
@@ -77,7 +78,7 @@ def test_multi_node_script_runs_one_torchrun_per_node(slurm_env, tmp_path):
         extra_env={"GPUS_PER_NODE": "1"},
     )
     assert proc.returncode == 0, proc.stderr + log[-4000:]
-    assert "nodes=2 ranks/node=1 world=2" in log
+    assert "nodes=2 ranks/node=1 world=2 rendezvous=127.0.0.1:" in log  # n1's NodeAddr, not its name
     rank_lines = [line for line in log.splitlines() if line.startswith("[rank ")]
     assert sorted(line.split("]")[0] for line in rank_lines) == ["[rank 0/2", "[rank 1/2"]  # not multiplied
     assert "dp=0/2" in log and "dp=1/2" in log
@@ -97,6 +98,50 @@ def test_single_node_script_starts_one_rank_per_gpu(slurm_env, tmp_path):
     assert proc.returncode == 0, proc.stderr + log[-4000:]
     assert "nodes=1 ranks/node=2 world=2" in log
     assert "cp=0/2" in log and "cp=1/2" in log
+
+
+def test_a_signalled_job_saves_requeues_and_matches_an_uninterrupted_run(slurm_env, tmp_path):
+    """The time-limit path: SIGUSR1 to the batch shell (what ``--signal=B:USR1@300`` sends) mid-run; the
+    ranks save after their step and exit, the script requeues the job, which resumes (resume=auto) and
+    finishes. Its losses equal a run that was never interrupted."""
+    import json
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    overrides = [*TINY, "training.steps=8", "optimizer.lr_decay_iters=8"]
+    log = tmp_path / "job.log"
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--gpus-per-node=1", f"--output={log}", f"--chdir={ROOT}",
+         "slurm/train_single_node.sbatch", *overrides, f"run_dir={run}"],
+        cwd=ROOT, env={**slurm_env, "GPUS_PER_NODE": "1"}, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    metrics_file = run / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
+    while subprocess.run(["squeue", "-h", "-j", job], env=slurm_env, capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline + 600, log.read_text()
+        time.sleep(1)
+    text = log.read_text()
+    assert "USR1 received" in text and f"requeueing job {job}" in text, text[-4000:]
+    assert "restart=1" in text and "resumed from" in text and text.count("final loss") == 2, text[-4000:]
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 9))  # stopped after a step, saved it, nothing repeated
+    stopped_at = int(text.split("saved step ")[1].split()[0])
+    assert 2 <= stopped_at < 8
+    straight = subprocess.run(
+        [sys.executable, "-m", "mcore_packing", "train", *overrides, f"run_dir={tmp_path / 'straight'}"],
+        cwd=ROOT, env={**slurm_env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    expected = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
+    for got, want in zip(rows, expected, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])
 
 
 def test_a_failing_job_fails_sbatch_wait(slurm_env, tmp_path):

@@ -166,7 +166,11 @@ def test_a_config_error_exits_2_from_the_command_line(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("parallel", [[], ["parallel.cp=2"]])
+@pytest.mark.parametrize(
+    "parallel",
+    [[], ["parallel.cp=2"], ["model.dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]],
+    ids=["dp2", "cp2", "bf16-distributed-optimizer"],
+)
 def test_torchrun_two_ranks(tmp_path, parallel):
     proc = train(tmp_path / "run", "training.steps=3", *parallel, torchrun=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -176,6 +180,20 @@ def test_torchrun_two_ranks(tmp_path, parallel):
     assert rows[-1]["loss"] < rows[0]["loss"]
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
+
+
+@pytest.mark.slow
+def test_fp16_trains_with_dynamic_loss_scaling(tmp_path):
+    """fp16 parameters, fp32 master weights, Megatron's dynamic loss scaler: started at 2**20, the
+    first updates overflow and are skipped (the scale halves each time), then updates apply and the loss
+    falls."""
+    overrides = ["optimizer.initial_loss_scale=1048576", "optimizer.hysteresis=1"]  # 2**20: a few overflows
+    proc = train(tmp_path / "run", "model.dtype=float16", "training.steps=10", *overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = metrics(tmp_path / "run")
+    applied = [r["update_applied"] for r in rows]
+    assert not applied[0] and any(applied), applied  # skipped while the scale is too large, then applied
+    assert rows[-1]["loss"] < rows[0]["loss"], [r["loss"] for r in rows]
 
 
 @pytest.mark.slow

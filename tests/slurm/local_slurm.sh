@@ -29,6 +29,7 @@ ClusterName=mcpack
 SlurmctldHost=${host}(127.0.0.1)
 SlurmctldPort=16817
 AuthType=auth/munge
+AuthInfo=cred_expire=10  # a requeued job waits cred_expire before it starts again (default 120 s)
 CredType=cred/munge
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
