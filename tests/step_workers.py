@@ -271,7 +271,21 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 cost_model=_attention_cost_model() if cfg.get("attention_cost") else None,
             )
             groups = ParallelGroups.from_megatron()
-            if cfg.get("dpo"):
+            if cfg.get("pg"):
+                plan = plan_step(lengths, plan_config)
+                loss = _pg_loss(cfg, samples)
+                if cfg.get("negative_pg") == "per_microbatch_normalization":
+                    _normalize_per_microbatch(schedule, sum(len(r) for r in plan.micro_batches))
+                result = run_step(
+                    ddp,
+                    seq_samples,
+                    plan,
+                    groups,
+                    device="cpu",
+                    sample_loss=loss,
+                    normalization=loss.config.normalization,
+                )
+            elif cfg.get("dpo"):
                 group_ids = [s["group"] for s in samples]
                 if cfg.get("wrong_pairs"):  # negative control: pair each rejected with the next chosen
                     group_ids = [((i + 1) // 2) % (len(samples) // 2) for i in range(len(samples))]
@@ -349,6 +363,88 @@ def plan_mismatch_worker(rank, world_size):
     else:
         group_message = None
     return message, group_message
+
+
+def _pg_loss(cfg, samples):
+    from mcore_packing.losses import ClippedPGConfig, ClippedPGLoss
+
+    return ClippedPGLoss(
+        ClippedPGConfig(**cfg["pg"]),
+        advantages=[s["advantage"] for s in samples],
+        old_logprobs=[s["old_logp"] for s in samples],
+        reference_logprobs=[s["ref_logp_tokens"] for s in samples],
+        generation_logprobs=[s["gen_logp"] for s in samples],
+    )
+
+
+def _normalize_per_microbatch(schedule, num_microbatches: int) -> None:
+    """Negative control: each micro-batch divided by its own token count, then micro-batches averaged
+    (instead of one global token count)."""
+    from mcore_packing.megatron.prepare import per_sample_logprobs
+
+    def per_microbatch(prep, output, fn, groups, totals, *, per_token):
+        total, tokens = output.new_zeros((), dtype=torch.float32), 0.0
+        for sample_id, logprobs, mask in per_sample_logprobs(prep, output, groups):
+            if mask.sum() > 0:
+                total = total + fn(sample_id, logprobs, mask)
+                tokens += float(mask.sum())
+        return total / (max(tokens, 1.0) * groups.cp_size * num_microbatches)
+
+    schedule.sample_loss_sum = per_microbatch
+
+
+def pg_reference_loss(logps, samples, *, ratio_clip_min, ratio_clip_max, ratio_clip_c=None,
+                      reference_policy_kl_penalty=0.0, kl_estimator="k3", token_level_loss=True,
+                      use_importance_sampling_correction=False):  # fmt: skip
+    """The clipped PG loss over the whole batch in plain torch, written independently of mcore_packing:
+    ``logps[i]`` are sample i's next-token log-probs (a tensor), the rest are the samples' fields."""
+    per_sample, token_sum, token_count = [], torch.zeros(()), 0.0
+    for lp, s in zip(logps, samples, strict=True):
+        mask = torch.tensor(s["loss_mask"][1:])
+        old, ref, gen = (torch.tensor(s[k]) for k in ("old_logp", "ref_logp_tokens", "gen_logp"))
+        a = torch.tensor(float(s["advantage"]))
+        ratio = (lp - old).exp()
+        unclipped, clipped = -a * ratio, -a * ratio.clamp(1 - ratio_clip_min, 1 + ratio_clip_max)
+        token = torch.where(unclipped > clipped, unclipped, clipped)
+        if ratio_clip_c is not None and float(a) < 0:
+            token = torch.where(token < -a * ratio_clip_c, token, -a * ratio_clip_c)
+        if reference_policy_kl_penalty:
+            d = ref - lp
+            token = token + reference_policy_kl_penalty * ((d.exp() - d - 1) if kl_estimator == "k3" else -d)
+        if use_importance_sampling_correction:
+            token = token * (old - gen).exp()
+        token_sum = token_sum + (token * mask).sum()
+        token_count += float(mask.sum())
+        per_sample.append((token * mask).sum() / mask.sum())
+    return token_sum / token_count if token_level_loss else torch.stack(per_sample).mean()
+
+
+def pg_reference_worker(rank, world_size, samples, pg_configs):
+    """Stock model, one sequence per forward; the clipped PG loss of each config in plain torch."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mcore_packing.megatron import cpu_device_adapter
+
+    _init()
+    out = []
+    with cpu_device_adapter():
+        torch.manual_seed(0)
+        model = build_gpt(model_config(), get_gpt_layer_local_spec())
+        state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
+        for pg in pg_configs:
+            model.zero_grad()
+            logps = []
+            for s in samples:
+                t = torch.tensor(s["tokens"])
+                n = t.numel()
+                causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+                logits = model(t[None], torch.arange(n)[None], causal)[0]
+                logps.append(-F.cross_entropy(logits[:-1], t[1:], reduction="none"))
+            loss = pg_reference_loss(logps, samples, **pg)
+            loss.backward()
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            out.append({"loss": float(loss), "grads": grads, "logps": [lp.detach() for lp in logps]})
+    return {"state_dict": state, "pg": out}
 
 
 DPO_BETA = 0.5

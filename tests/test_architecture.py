@@ -23,6 +23,7 @@ LAYERS = {
     "packing": 1,
     "planning": 2,
     "thd": 3,
+    "losses": 3,
     "megatron": 4,
     "app": 5,
     "__main__": 6,

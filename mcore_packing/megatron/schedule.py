@@ -30,7 +30,7 @@ from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import LossNormalization, StepTotals, megatron_loss_output
 from .parallel_groups import ParallelGroups, group_size, verify_plan_across_ranks
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
-from .unpacked_losses import group_loss_sum, sequence_loss_sum
+from .unpacked_losses import group_loss_sum, sample_loss_sum, sequence_loss_sum
 
 __all__ = ["StepResult", "compute_logprobs", "run_step"]
 
@@ -57,6 +57,7 @@ def run_step(
     sequence_loss: Callable | None = None,
     group_loss: Callable | None = None,
     group_ids: Sequence | None = None,
+    sample_loss: Callable | None = None,
     forward_only: bool = False,
     device: torch.device | str | None = None,
     verify: bool = True,
@@ -75,11 +76,16 @@ def run_step(
         group_loss: optional ``fn(members) -> scalar`` per group (DPO pairs, GRPO groups), where
             ``members`` is ``[(sample_id, logprobs, loss_mask), ...]`` in sample order; the step loss is
             the mean over groups. Needs ``group_ids`` and a plan made with the same ``groups``.
+        sample_loss: optional ``fn(sample_id, logprobs, loss_mask) -> scalar`` per sample on the unpacked
+            view, with per-sample side inputs looked up by ``sample_id`` (RL: advantages, old and
+            reference log-probs; `mcore_packing.losses.ClippedPGLoss`). With ``token_mean`` it returns
+            the sample's token sum and the step loss divides by the global token count; with
+            ``sequence_mean`` its per-sequence value, divided by the global sequence count.
         forward_only: evaluation (no backward).
         verify: check with one all-gather that every rank planned the same step.
     """
     model_config = _check_step(model, samples, plan)
-    _check_loss_options(plan, samples, sequence_loss, group_loss, group_ids)
+    _check_loss_options(plan, samples, sequence_loss, group_loss, group_ids, sample_loss)
     if verify and group_size(groups.dp_cp) > 1:
         verify_plan_across_ranks(plan, groups.dp_cp)
     per_unit = sequence_loss is not None or group_loss is not None
@@ -92,7 +98,10 @@ def run_step(
     prepared = [build(mb, samples, plan, groups, pad_token_id=pad_token_id) for mb in micro]
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
-        if group_loss is not None:
+        if sample_loss is not None:
+            per_token = normalization == LossNormalization.TOKEN_MEAN
+            weighted = sample_loss_sum(prep, output, sample_loss, groups, totals, per_token=per_token)
+        elif group_loss is not None:
             weighted = group_loss_sum(prep, output, group_loss, group_ids, groups, totals)
         elif sequence_loss is not None:
             weighted = sequence_loss_sum(prep, output, sequence_loss, groups, totals)
@@ -235,9 +244,14 @@ def _check_schedule_config(plan: StepPlan, model_config) -> None:
             )
 
 
-def _check_loss_options(plan: StepPlan, samples, sequence_loss, group_loss, group_ids) -> None:
-    if (sequence_loss is not None or group_loss is not None) and plan.config.mode != "packing":
-        raise ValueError("sequence_loss / group_loss run on the unpacked view of packed rows: use mode='packing'.")
+def _check_loss_options(plan: StepPlan, samples, sequence_loss, group_loss, group_ids, sample_loss) -> None:
+    given = [fn for fn in (sequence_loss, group_loss, sample_loss) if fn is not None]
+    if len(given) > 1:
+        raise ValueError("pass one of sequence_loss, group_loss and sample_loss.")
+    if given and plan.config.mode != "packing":
+        raise ValueError(
+            "sequence_loss / group_loss / sample_loss run on the unpacked view of packed rows: use mode='packing'."
+        )
     if group_loss is None:
         return
     if group_ids is None or len(group_ids) != len(samples):

@@ -17,7 +17,7 @@ from ..thd.loss_weights import StepTotals
 from .parallel_groups import ParallelGroups
 from .prepare import PreparedMicroBatch, per_sample_logprobs
 
-__all__ = ["group_loss_sum", "sequence_loss_sum"]
+__all__ = ["group_loss_sum", "sample_loss_sum", "sequence_loss_sum"]
 
 
 def _check_scalar(value, what: str, unit: str) -> torch.Tensor:
@@ -39,6 +39,26 @@ def sequence_loss_sum(
         if mask.numel() and mask.sum() > 0:
             total = total + _check_scalar(fn(logprobs, mask), "sequence_loss", "sequence")
     return total / (totals.num_sequences * groups.cp_size)
+
+
+def sample_loss_sum(
+    prep: PreparedMicroBatch,
+    output: torch.Tensor,
+    fn: Callable,
+    groups: ParallelGroups,
+    totals: StepTotals,
+    *,
+    per_token: bool,
+) -> torch.Tensor:
+    """``fn(sample_id, logprobs, mask)`` on every sample with at least one target; this rank's share of
+    (sum / G) when ``per_token`` (``fn`` returns the sample's token sum), else of (sum / S) (``fn`` returns
+    its per-sequence value)."""
+    total = output.new_zeros((), dtype=torch.float32)
+    for sample_id, logprobs, mask in per_sample_logprobs(prep, output, groups):
+        if mask.numel() and mask.sum() > 0:
+            total = total + _check_scalar(fn(sample_id, logprobs, mask), "sample_loss", "sample")
+    divisor = totals.num_tokens if per_token else totals.num_sequences
+    return total / (divisor * groups.cp_size)
 
 
 def group_loss_sum(

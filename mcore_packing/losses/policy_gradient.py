@@ -1,0 +1,128 @@
+"""The clipped policy-gradient loss (PPO, GRPO) per sample, for `run_step(sample_loss=...)`.
+
+Per response token t of sample i, with ratio r = exp(logp - old_logp) and advantage A:
+
+    pg   = max(-A r, -A clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max))
+    pg   = min(pg, -A ratio_clip_c)                         where A < 0, when ratio_clip_c is set (dual clip)
+    kl   = k3: exp(ref - logp) - (ref - logp) - 1,  k1: logp - ref        (reference_policy_kl_penalty > 0)
+    loss = w (pg + reference_policy_kl_penalty kl),  w = exp(old_logp - gen_logp) with the importance
+           sampling correction on (the rollout engine's log-probs differ from the trainer's), else 1
+
+``token_level_loss=True`` averages over every response token of the global batch (the sample returns its
+token sum; `run_step` divides by the global token count), ``False`` averages per sequence first, then over
+sequences (the sample returns its token mean; `run_step` divides by the global sequence count).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..validators import require_choice
+
+__all__ = ["KL_ESTIMATORS", "ClippedPGConfig", "ClippedPGLoss"]
+
+KL_ESTIMATORS = ("k1", "k3")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClippedPGConfig:
+    """NeMo-RL's ``loss_fn`` keys (ratio_clip_min/max are distances from 1)."""
+
+    ratio_clip_min: float = 0.2
+    ratio_clip_max: float = 0.2
+    ratio_clip_c: float | None = None  # dual clip (> 1), for negative advantages
+    reference_policy_kl_penalty: float = 0.0
+    kl_estimator: str = "k3"
+    token_level_loss: bool = True
+    use_importance_sampling_correction: bool = False
+
+    def __post_init__(self):
+        for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0 or value != value:
+                raise ValueError(f"{name}={value!r} must be a number >= 0.")
+        if self.ratio_clip_c is not None and not self.ratio_clip_c > 1:
+            raise ValueError(f"ratio_clip_c={self.ratio_clip_c!r} must be > 1 (or None for no dual clip).")
+        require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+
+    @property
+    def normalization(self) -> str:
+        """The `run_step` normalization that makes the sample values below a global mean."""
+        return "token_mean" if self.token_level_loss else "sequence_mean"
+
+
+class ClippedPGLoss:
+    """``loss(sample_id, logprobs, mask) -> scalar`` for `run_step(sample_loss=loss,
+    normalization=config.normalization)`.
+
+    Per sample ``i`` of the global batch: ``advantages[i]`` (a scalar, GRPO, or one value per next-token
+    position), ``old_logprobs[i]`` (the policy's log-probs before this step, one per next-token position
+    as `compute_logprobs` returns them), ``reference_logprobs[i]`` (needed with a KL penalty) and
+    ``generation_logprobs[i]`` (needed with the importance sampling correction). ``mask`` selects the
+    response tokens. `metrics` sums the clipped tokens, approximate KL (k3 of old vs new) and ratio over
+    the tokens this rank computed the loss of (every CP rank sees all of its samples; the caller reduces
+    over DP and divides by ``tokens``).
+    """
+
+    def __init__(
+        self,
+        config: ClippedPGConfig,
+        *,
+        advantages: Sequence,
+        old_logprobs: Sequence,
+        reference_logprobs: Sequence | None = None,
+        generation_logprobs: Sequence | None = None,
+    ):
+        if config.reference_policy_kl_penalty > 0 and reference_logprobs is None:
+            raise ValueError("reference_policy_kl_penalty > 0 needs reference_logprobs (one row per sample).")
+        if config.use_importance_sampling_correction and generation_logprobs is None:
+            raise ValueError("use_importance_sampling_correction needs generation_logprobs (one row per sample).")
+        self.config = config
+        self.advantages = advantages
+        self.old = old_logprobs
+        self.reference = reference_logprobs
+        self.generation = generation_logprobs
+        self.metrics = {"tokens": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ratio": 0.0}
+
+    def _row(self, rows: Sequence, sample_id: int, like: torch.Tensor) -> torch.Tensor:
+        row = torch.as_tensor(rows[sample_id], dtype=torch.float32, device=like.device).reshape(-1)
+        return row[: like.numel()]
+
+    def per_token(self, sample_id: int, logprobs: torch.Tensor) -> torch.Tensor:
+        """The loss of every next-token position of one sample (before masking)."""
+        cfg = self.config
+        lp = logprobs.float()
+        old = self._row(self.old, sample_id, lp)
+        advantage = torch.as_tensor(self.advantages[sample_id], dtype=torch.float32, device=lp.device)
+        advantage = advantage.reshape(-1)[: lp.numel()] if advantage.dim() else advantage
+        ratio = torch.exp(lp - old)
+        clipped = torch.clamp(ratio, 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
+        loss = torch.maximum(-advantage * ratio, -advantage * clipped)
+        if cfg.ratio_clip_c is not None:
+            loss = torch.where(advantage < 0, torch.minimum(loss, -advantage * cfg.ratio_clip_c), loss)
+        if cfg.reference_policy_kl_penalty > 0:
+            log_ratio = self._row(self.reference, sample_id, lp) - lp
+            kl = torch.exp(log_ratio) - log_ratio - 1 if cfg.kl_estimator == "k3" else -log_ratio
+            loss = loss + cfg.reference_policy_kl_penalty * kl
+        if cfg.use_importance_sampling_correction:
+            loss = loss * torch.exp(old - self._row(self.generation, sample_id, lp))
+        return loss
+
+    def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        weights = mask.float()
+        loss = (self.per_token(sample_id, logprobs) * weights).sum()
+        self._record(sample_id, logprobs.detach(), weights)
+        return loss if self.config.token_level_loss else loss / weights.sum().clamp_min(1)
+
+    def _record(self, sample_id: int, logprobs: torch.Tensor, weights: torch.Tensor) -> None:
+        lp = logprobs.float()
+        log_ratio = lp - self._row(self.old, sample_id, lp)
+        ratio = torch.exp(log_ratio)
+        outside = (ratio < 1 - self.config.ratio_clip_min) | (ratio > 1 + self.config.ratio_clip_max)
+        self.metrics["tokens"] += float(weights.sum())
+        self.metrics["clipped"] += float((outside.float() * weights).sum())
+        self.metrics["approx_kl"] += float(((torch.exp(-log_ratio) + log_ratio - 1) * weights).sum())
+        self.metrics["ratio"] += float((ratio * weights).sum())

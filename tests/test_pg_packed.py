@@ -1,0 +1,123 @@
+"""The clipped policy-gradient loss (PPO/GRPO) on packed micro-batches equals the unpacked reference.
+
+Rollouts: a prompt (masked out) and a response, a GRPO-style scalar advantage per sample, and per-token
+old, reference and generation log-probs near the model's own (so some ratios fall outside the clip range).
+Reference: Megatron's stock model, one sequence per forward, the loss written out in plain torch
+(`step_workers.pg_reference_loss`, sharing no code with `mcore_packing.losses`), normalized over the whole
+batch. Under test: `run_step(sample_loss=ClippedPGLoss(...))` through Megatron's schedule on gloo ranks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from .distributed_harness import run_distributed
+from .step_workers import VOCAB
+from .test_step_equivalence import grad_errors
+
+pytestmark = pytest.mark.multirank
+
+UNIFORM = math.log(1.0 / VOCAB)  # a fresh model's log-probs are near this
+
+
+def make_rollouts(num_groups: int = 4, per_group: int = 3, seed: int = 5) -> list[dict]:
+    rng = np.random.default_rng(seed)
+    samples = []
+    for _ in range(num_groups):
+        prompt = rng.integers(0, VOCAB, int(rng.integers(3, 10))).tolist()
+        rewards = rng.normal(0, 1, per_group)
+        advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # GRPO
+        for advantage in advantages:
+            response = rng.integers(0, VOCAB, int(rng.integers(2, 22))).tolist()
+            n = len(prompt) + len(response)
+            samples.append({
+                "tokens": prompt + response,
+                "loss_mask": [0.0] * len(prompt) + [1.0] * len(response),
+                "advantage": float(advantage),
+                "old_logp": (UNIFORM + rng.normal(0, 0.15, n - 1)).tolist(),
+                "ref_logp_tokens": (UNIFORM + rng.normal(0, 0.2, n - 1)).tolist(),
+                "gen_logp": (UNIFORM + rng.normal(0, 0.05, n - 1)).tolist(),
+            })  # fmt: skip
+    return samples
+
+
+ROLLOUTS = make_rollouts()
+PG_CONFIGS = [
+    {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28, "reference_policy_kl_penalty": 0.05, "token_level_loss": True},
+    {"ratio_clip_min": 0.2, "ratio_clip_max": 0.2, "ratio_clip_c": 3.0, "reference_policy_kl_penalty": 0.05,
+     "kl_estimator": "k1", "token_level_loss": False, "use_importance_sampling_correction": True},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed("tests.step_workers:pg_reference_worker", 1, samples=ROLLOUTS, pg_configs=PG_CONFIGS)[0]
+
+
+def _check(result, ref):
+    assert abs(result["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (result["config"], result["loss"], ref["loss"])
+    errors = grad_errors(result["grads"], ref["grads"])
+    assert max(errors.values()) <= 1e-5, (result["config"], max(errors.values()))
+    layout = {k: result["config"].get(k, 1) for k in ("tp", "pp", "cp")}
+    token_level = result["config"]["pg"]["token_level_loss"]
+    loss_error = abs(result["loss"] - ref["loss"]) / abs(ref["loss"])
+    print(f"{layout} token_level={token_level}: loss {loss_error:.1e}, grads {max(errors.values()):.1e}")
+
+
+def test_reference_rollouts_exercise_clipping(reference):
+    """The fixture is not trivial: some ratios are clipped and the loss is not zero."""
+    logps = reference["pg"][0]["logps"]
+    ratios = np.concatenate([
+        np.exp(lp.numpy() - np.array(s["old_logp"]))[np.array(s["loss_mask"][1:]) > 0]
+        for lp, s in zip(logps, ROLLOUTS, strict=True)
+    ])  # fmt: skip
+    assert ((ratios < 0.8) | (ratios > 1.28)).mean() > 0.05 and ((ratios > 0.8) & (ratios < 1.2)).mean() > 0.3
+    assert abs(reference["pg"][0]["loss"]) > 1e-3
+
+
+def test_single_rank_packed_pg_equals_unpacked(reference):
+    configs = [{"mode": "packing", "pg": pg, "train_mb_tokens": 64} for pg in PG_CONFIGS]
+    results = run_distributed(
+        "tests.step_workers:step_worker", 1, configs=configs, samples=ROLLOUTS, state_dict=reference["state_dict"]
+    )[0]
+    for result, ref in zip(results, reference["pg"], strict=True):
+        _check(result, ref)
+
+
+@pytest.mark.slow
+def test_pg_on_cp2_dp2_and_tp2_pp2_equals_unpacked(reference):
+    configs = [
+        *({"mode": "packing", "pg": pg, "cp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),  # DP=2
+        *({"mode": "packing", "pg": pg, "tp": 2, "pp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),
+        # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
+        {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 2, "train_mb_tokens": 64,
+         "negative_pg": "per_microbatch_normalization"},
+    ]  # fmt: skip
+    results = run_distributed(
+        "tests.step_workers:step_worker",
+        4,
+        configs=configs,
+        samples=ROLLOUTS,
+        state_dict=reference["state_dict"],
+        timeout=900,
+    )[0]
+    *good, wrong = results
+    for result, ref in zip(good, reference["pg"] * 2, strict=True):
+        _check(result, ref)
+    ref = reference["pg"][0]
+    assert abs(wrong["loss"] - ref["loss"]) > 1e-3 * abs(ref["loss"]), (wrong["loss"], ref["loss"])
+    print(f"per-micro-batch normalization (control): loss {abs(wrong['loss'] - ref['loss']) / abs(ref['loss']):.1e}")
+
+
+def test_bad_pg_settings_name_the_key():
+    from mcore_packing.losses import ClippedPGConfig, ClippedPGLoss
+
+    with pytest.raises(ValueError, match=r"ratio_clip_c=0\.5 must be > 1"):
+        ClippedPGConfig(ratio_clip_c=0.5)
+    with pytest.raises(ValueError, match="kl_estimator must be one of k1, k3"):
+        ClippedPGConfig(kl_estimator="k2")
+    with pytest.raises(ValueError, match="needs reference_logprobs"):
+        ClippedPGLoss(ClippedPGConfig(reference_policy_kl_penalty=0.1), advantages=[1.0], old_logprobs=[[0.0]])
