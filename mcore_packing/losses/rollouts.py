@@ -1,0 +1,83 @@
+"""Rollouts for the policy step: checked, turned into training samples, and given GRPO advantages.
+
+A `Rollout` is one sampled response: the prompt's tokens, the response's tokens, its reward, the group
+(the prompt it answers) and optionally the inference engine's per-token log-probs of the response.
+`check_rollouts` refuses what would silently corrupt a step (an empty response, a NaN reward, log-probs
+of the wrong length, a group of one under GRPO), naming the rollout and the fix.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..data.sample import SequenceSample
+
+__all__ = ["Rollout", "check_rollouts", "grpo_advantages", "rollout_samples"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rollout:
+    prompt_tokens: Sequence[int]
+    response_tokens: Sequence[int]
+    reward: float
+    group_id: int | str
+    generation_logprobs: Sequence[float] | None = None  # one per response token
+
+
+def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
+    """Clear errors for rollouts a step cannot use."""
+    if not rollouts:
+        raise ValueError("no rollouts: the policy step needs at least one sampled response.")
+    sizes: dict = {}
+    for i, r in enumerate(rollouts):
+        if len(r.response_tokens) == 0:
+            raise ValueError(f"rollout {i} (group {r.group_id!r}) has an empty response: drop it before the step.")
+        if len(r.prompt_tokens) == 0:
+            raise ValueError(f"rollout {i} (group {r.group_id!r}) has an empty prompt: the first response token "
+                             "needs a context to be predicted from.")  # fmt: skip
+        if not isinstance(r.reward, (int, float)) or math.isnan(r.reward) or math.isinf(r.reward):
+            raise ValueError(f"rollout {i} (group {r.group_id!r}) has reward {r.reward!r}: rewards must be finite.")
+        if r.generation_logprobs is not None and len(r.generation_logprobs) != len(r.response_tokens):
+            raise ValueError(
+                f"rollout {i} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
+                "response tokens: give one per response token (or none)."
+            )
+        sizes[r.group_id] = sizes.get(r.group_id, 0) + 1
+    if grpo:
+        single = [g for g, n in sizes.items() if n == 1]
+        if single:
+            raise ValueError(
+                f"GRPO needs several responses per prompt; group(s) {single[:5]} have one. Sample more responses "
+                "per prompt, or drop those groups."
+            )
+
+
+def grpo_advantages(rewards: Sequence[float], group_ids: Sequence, *, leave_one_out: bool = False,
+                    normalize_std: bool = True, eps: float = 1e-6) -> np.ndarray:  # fmt: skip
+    """Each reward minus its group's mean (or, ``leave_one_out``, the mean of the group's other rewards),
+    divided by the group's standard deviation when ``normalize_std`` (a group of equal rewards gives 0)."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    out = np.zeros_like(rewards)
+    keys = np.asarray([str(g) for g in group_ids])
+    for key in np.unique(keys):
+        idx = np.flatnonzero(keys == key)
+        r = rewards[idx]
+        baseline = (r.sum() - r) / (len(r) - 1) if leave_one_out and len(r) > 1 else r.mean()
+        centred = r - baseline
+        out[idx] = centred / (r.std() + eps) if normalize_std else centred
+    return out
+
+
+def rollout_samples(rollouts: Sequence[Rollout]) -> list[SequenceSample]:
+    """prompt + response as one sequence, learning only the response's tokens."""
+    samples = []
+    for r in rollouts:
+        tokens = np.asarray([*r.prompt_tokens, *r.response_tokens], dtype=np.int64)
+        mask = np.zeros(len(tokens), dtype=np.float32)
+        mask[len(r.prompt_tokens) :] = 1.0
+        samples.append(SequenceSample(tokens, mask))
+    return samples

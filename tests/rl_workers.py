@@ -1,0 +1,56 @@
+"""Worker for the RL-step test: the trainer's setup, a reference model, two GRPO steps on rollouts."""
+
+from __future__ import annotations
+
+import numpy as np
+
+SMALL = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=128",
+    "data.num_samples=8",
+    "training.global_batch_size=8",
+    "optimizer.lr=0.001",
+    "optimizer.lr_warmup_iters=0",
+    "sequence_packing.train_mb_tokens=96",
+    "sequence_packing.logprob_mb_tokens=160",  # the log-prob pass packs differently from the training pass
+]
+
+
+def make_rollouts(seed: int = 11, groups: int = 4, per_group: int = 4, vocab: int = 128):
+    from mcore_packing.losses.rollouts import Rollout
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, vocab, int(rng.integers(4, 12))).tolist()
+        for _ in range(per_group):
+            response = rng.integers(0, vocab, int(rng.integers(3, 30))).tolist()
+            out.append(Rollout(prompt_tokens=prompt, response_tokens=response, reward=float(rng.integers(0, 2)),
+                               group_id=g))  # fmt: skip
+    return out
+
+
+def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float):
+    from mcore_packing.app.config import plan_config
+    from mcore_packing.app.model_setup import default_device, device_context, setup_training
+    from mcore_packing.app.rl_step import RLStepConfig, build_reference_model, rl_step
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.losses import ClippedPGConfig
+
+    cfg = compose_config(None, [*SMALL, f"run_dir={root}"])
+    shape = cfg.model.shape(128)
+    rollouts = make_rollouts()
+    config = RLStepConfig(loss=ClippedPGConfig(reference_policy_kl_penalty=kl))
+    results = []
+    with device_context(default_device()):
+        setup = setup_training(cfg, shape)
+        reference = build_reference_model(cfg, shape, setup.device)
+        step_config = plan_config(cfg, setup.world_size // cfg.parallel.model_parallel_size, vocab_size=128)
+        for _ in range(2):
+            r = rl_step(setup, reference, rollouts, step_config, config)
+            results.append({"loss": r.loss, "metrics": r.metrics, "advantages": r.advantages,
+                            "logprob_seconds": r.logprob_seconds, "train_seconds": r.train_seconds})  # fmt: skip
+    return results

@@ -1,0 +1,63 @@
+"""The GRPO policy step (`app.rl_step`): advantages, the packed log-prob pass, the training pass.
+
+On the first step the old log-probs come from a pass packed differently (logprob_mb_tokens) from the
+training pass, with the same weights: if both passes give every token the same log-prob, the ratios are
+exactly 1, nothing is clipped, the approximate KL is 0, and the loss is -sum_i A_i n_i / sum_i n_i
+(token-level), computed here from the advantages and response lengths alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from .distributed_harness import run_distributed
+from .rl_workers import make_rollouts
+
+pytestmark = pytest.mark.multirank
+
+
+def test_grpo_advantages_by_hand():
+    from mcore_packing.losses.rollouts import grpo_advantages
+
+    a = grpo_advantages([1.0, 0.0, 0.0, 1.0, 5.0, 5.0], [0, 0, 0, 0, 1, 1])
+    assert np.allclose(a[:4], [1, -1, -1, 1], atol=1e-5) and np.allclose(a[4:], 0)  # equal rewards: no signal
+    loo = grpo_advantages([3.0, 1.0, 2.0], ["p", "p", "p"], leave_one_out=True, normalize_std=False)
+    assert np.allclose(loo, [3 - 1.5, 1 - 2.5, 2 - 2.0])
+
+
+def test_bad_rollouts_are_refused_naming_the_rollout():
+    from mcore_packing.losses.rollouts import Rollout, check_rollouts
+
+    ok = [Rollout(prompt_tokens=[1, 2], response_tokens=[3], reward=1.0, group_id=0)] * 2
+    check_rollouts(ok)  # control
+    cases = [
+        ([ok[0], Rollout(prompt_tokens=[1], response_tokens=[], reward=0.0, group_id=0)], "rollout 1 .* empty"),
+        ([ok[0], Rollout(prompt_tokens=[1], response_tokens=[2], reward=math.nan, group_id=0)], "reward nan"),
+        ([*ok, Rollout(prompt_tokens=[1], response_tokens=[2], reward=0.0, group_id=7)], r"group\(s\) \[7\]"),
+        ([ok[0], Rollout(prompt_tokens=[1], response_tokens=[2, 3], reward=0.0, group_id=0,
+                         generation_logprobs=[-1.0])], "1 generation log-probs for 2 response tokens"),
+    ]  # fmt: skip
+    for rollouts, message in cases:
+        with pytest.raises(ValueError, match=message):
+            check_rollouts(rollouts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 2])
+def test_rl_step_first_update_is_on_policy_and_exact(tmp_path, world):
+    steps = run_distributed("tests.rl_workers:rl_step_worker", world, root=str(tmp_path), kl=0.05)[0]
+    first = steps[0]
+    rollouts = make_rollouts()
+    n = np.array([len(r.response_tokens) for r in rollouts], dtype=np.float64)
+    expected = -float((np.array(first["advantages"]) * n).sum() / n.sum())  # ratio 1, KL 0
+    assert abs(first["loss"] - expected) <= 1e-5 * max(abs(expected), 1e-3), (first["loss"], expected)
+    m = first["metrics"]
+    assert abs(m["mean_ratio"] - 1) <= 1e-6 and m["clip_fraction"] == 0 and abs(m["approx_kl"]) <= 1e-9, m
+    assert first["logprob_seconds"] > 0 and first["train_seconds"] > 0
+    assert m["update_applied"] and m["grad_norm"] > 0
+    # The second step's old log-probs come from the updated policy: again on-policy, ratio 1.
+    assert abs(steps[1]["metrics"]["mean_ratio"] - 1) <= 1e-6
+    assert steps[1]["loss"] != first["loss"]  # the KL to the (unchanged) reference now counts
