@@ -3,6 +3,7 @@
     python -m mcore_packing train [--recipe NAME] [--dry-run] [hydra overrides]   train or check a config
     python -m mcore_packing plan  [--lengths FILE | --jsonl FILE | --corpus NAME]  plan your data, no torch
     python -m mcore_packing export --checkpoint DIR --out HF_FOLDER                a checkpoint for transformers
+    python -m mcore_packing grpo [--steps N] [--plot PNG]                          GRPO on a bundled task (CPU)
 
 Each command's ``--help`` lists its options. Only the chosen command's module is imported, so ``plan``
 starts without torch or megatron-core.
@@ -17,6 +18,7 @@ COMMANDS = {
     "train": ("mcore_packing.app.train_command", "train (or --dry-run) the Hydra config or a --recipe"),
     "plan": ("mcore_packing.app.plan_command", "plan a data set as training would and report the savings"),
     "export": ("mcore_packing.app.export_command", "write a training checkpoint as a Hugging Face folder"),
+    "grpo": ("mcore_packing.app.grpo_command", "GRPO on single-digit addition with a tiny model (CPU example)"),
 }
 
 

@@ -54,3 +54,10 @@ def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float):
             results.append({"loss": r.loss, "metrics": r.metrics, "advantages": r.advantages,
                             "logprob_seconds": r.logprob_seconds, "train_seconds": r.train_seconds})  # fmt: skip
     return results
+
+
+def grpo_example_worker(rank: int, world_size: int, *, root: str, steps: int, warmup_steps: int):
+    """`python -m mcore_packing grpo`'s run, shortened; returns its per-step records."""
+    from mcore_packing.app.grpo_command import run_grpo
+
+    return run_grpo(run_dir=root, steps=steps, warmup_steps=warmup_steps, log=lambda *_: None)

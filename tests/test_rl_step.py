@@ -61,3 +61,18 @@ def test_rl_step_first_update_is_on_policy_and_exact(tmp_path, world):
     # The second step's old log-probs come from the updated policy: again on-policy, ratio 1.
     assert abs(steps[1]["metrics"]["mean_ratio"] - 1) <= 1e-6
     assert steps[1]["loss"] != first["loss"]  # the KL to the (unchanged) reference now counts
+
+
+@pytest.mark.slow
+def test_grpo_example_reward_rises(tmp_path):
+    """The CPU example (`python -m mcore_packing grpo`), 25 steps: the mean reward of the last five steps is
+    well above that of the first five (the full 60-step curve is in the README)."""
+    records = run_distributed(
+        "tests.rl_workers:grpo_example_worker", 1, root=str(tmp_path), steps=25, warmup_steps=10, timeout=600
+    )[0]
+    rewards = [r["mean_reward"] for r in records]
+    first, last = np.mean(rewards[:5]), np.mean(rewards[-5:])
+    assert last > first + 0.08, rewards
+    assert all(r["logprob_seconds"] > 0 and r["train_seconds"] > 0 for r in records)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 25
