@@ -45,6 +45,22 @@ def test_bad_rollouts_are_refused_naming_the_rollout():
             check_rollouts(rollouts)
 
 
+def test_rollouts_from_jsonl(tmp_path):
+    import json
+
+    from mcore_packing.losses.rollouts import Rollout, read_rollouts_jsonl
+
+    path = tmp_path / "rollouts.jsonl"
+    rows = [{"prompt_tokens": [1, 2], "response_tokens": [3, 4], "reward": 1.0, "group_id": "q1",
+             "generation_logprobs": [-0.5, -1.0]}, {"prompt_tokens": [1, 2], "response_tokens": [5], "reward": 0.0,
+             "group_id": "q1"}]  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert read_rollouts_jsonl(str(path)) == [Rollout(**rows[0]), Rollout(**rows[1])]
+    path.write_text(json.dumps({"prompt_tokens": [1], "reward": 1.0, "group_id": 0}) + "\n")
+    with pytest.raises(ValueError, match=r"rollouts.jsonl:1 lacks \['response_tokens'\]"):
+        read_rollouts_jsonl(str(path))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2])
 def test_rl_step_first_update_is_on_policy_and_exact(tmp_path, world):

@@ -16,7 +16,9 @@ import numpy as np
 
 from ..data.sample import SequenceSample
 
-__all__ = ["Rollout", "check_rollouts", "grpo_advantages", "rollout_samples"]
+__all__ = ["Rollout", "check_rollouts", "grpo_advantages", "read_rollouts_jsonl", "rollout_samples"]
+
+_FIELDS = ("prompt_tokens", "response_tokens", "reward", "group_id")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +28,24 @@ class Rollout:
     reward: float
     group_id: int | str
     generation_logprobs: Sequence[float] | None = None  # one per response token
+
+
+def read_rollouts_jsonl(path: str) -> list[Rollout]:
+    """Rollouts from a JSONL file, one object per line with ``prompt_tokens``, ``response_tokens``,
+    ``reward``, ``group_id`` and optionally ``generation_logprobs`` (what an inference engine wrote)."""
+    import json
+
+    rollouts = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            missing = [k for k in _FIELDS if k not in record]
+            if missing:
+                raise ValueError(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
+            rollouts.append(Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}))
+    return rollouts
 
 
 def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
