@@ -271,6 +271,8 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 cost_model=_attention_cost_model() if cfg.get("attention_cost") else None,
             )
             groups = ParallelGroups.from_megatron()
+            from mcore_packing.losses import dpo_pair_loss
+
             if cfg.get("pg"):
                 plan = plan_step(lengths, plan_config)
                 loss = _pg_loss(cfg, samples)
@@ -298,7 +300,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                     groups,
                     device="cpu",
                     group_ids=group_ids,
-                    group_loss=partial(dpo_pair_loss, ref_logps=ref_logps),
+                    group_loss=partial(dpo_pair_loss, reference_logps=ref_logps, beta=DPO_BETA),
                 )
             else:
                 plan = plan_step(lengths, plan_config)
@@ -448,13 +450,6 @@ def pg_reference_worker(rank, world_size, samples, pg_configs):
 
 
 DPO_BETA = 0.5
-
-
-def dpo_pair_loss(members, ref_logps, beta=DPO_BETA):
-    """DPO on one (chosen, rejected) pair from per-token log-probs: -logsigmoid(beta * margin)."""
-    (c_id, lp_c, m_c), (r_id, lp_r, m_r) = members
-    margin = ((lp_c * m_c).sum() - ref_logps[c_id]) - ((lp_r * m_r).sum() - ref_logps[r_id])
-    return -F.logsigmoid(beta * margin)
 
 
 def dpo_reference_worker(rank, world_size, samples):

@@ -6,8 +6,11 @@ packing, dynamic batching and any TP/PP/CP/DP layout.
 - `policy_gradient`: PPO/GRPO clipped policy gradient with NeMo-RL's keys (ratio_clip_min/max,
   ratio_clip_c, reference_policy_kl_penalty with the k1/k3 estimators, token_level_loss, importance
   sampling correction against generation log-probs) and its per-step metrics.
+- `dpo`: the DPO loss on a (chosen, rejected) pair, for `run_step(group_loss=...)`.
+- `rollouts`: rollouts checked, GRPO advantages, samples for the policy step.
 """
 
+from .dpo import dpo_pair_loss
 from .policy_gradient import ClippedPGConfig, ClippedPGLoss
 
-__all__ = ["ClippedPGConfig", "ClippedPGLoss"]
+__all__ = ["ClippedPGConfig", "ClippedPGLoss", "dpo_pair_loss"]
