@@ -18,7 +18,7 @@ COMMANDS = {
     "train": ("mcore_packing.app.train_command", "train (or --dry-run) the Hydra config or a --recipe"),
     "plan": ("mcore_packing.app.plan_command", "plan a data set as training would and report the savings"),
     "export": ("mcore_packing.app.export_command", "write a training checkpoint as a Hugging Face folder"),
-    "grpo": ("mcore_packing.app.grpo_command", "GRPO on single-digit addition with a tiny model (CPU example)"),
+    "grpo": ("mcore_packing.app.grpo_command", "GRPO on digit addition with a tiny model (CPU example)"),
 }
 
 
