@@ -23,11 +23,7 @@ sys.path.insert(0, str(ROOT))
 from _report import run_config, write_results  # noqa: E402
 
 from tests.distributed_harness import run_distributed  # noqa: E402
-from tests.test_checkpoint import LAYOUTS  # noqa: E402
-
-
-def _rel(a: float, b: float) -> float:
-    return abs(a - b) / abs(b)
+from tests.test_checkpoint import LAYOUTS, _rel  # noqa: E402
 
 
 def resume_rows() -> list[dict]:

@@ -88,6 +88,18 @@ def _init(tp=1, pp=1, cp=1):
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
+def sequence_logprobs(model, token_rows) -> list:
+    """Next-token log-probs of each sequence, one causal forward per sequence (the reference path)."""
+    out = []
+    for tokens in token_rows:
+        t = torch.as_tensor(tokens)
+        n = t.numel()
+        causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+        logits = model(t[None], torch.arange(n)[None], causal)[0]
+        out.append(-F.cross_entropy(logits[:-1], t[1:], reduction="none"))
+    return out
+
+
 def reference_worker(rank, world_size, samples, normalizations=("token_mean", "sequence_mean")):
     """Full model; loss per normalization over unpacked sequences; grads, loss and log-probs."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -109,11 +121,8 @@ def reference_worker(rank, world_size, samples, normalizations=("token_mean", "s
         for norm in normalizations:
             model.zero_grad(set_to_none=True)
             loss = torch.zeros(())
-            for t, m, v in zip(tokens, masks, valid, strict=True):
-                n = t.numel()
-                causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-                logits = model(t[None], torch.arange(n)[None], causal)[0]
-                nll = F.cross_entropy(logits[:-1], t[1:], reduction="none")
+            for logp, m, v in zip(sequence_logprobs(model, tokens), masks, valid, strict=True):
+                nll = -logp
                 if norm == "token_mean":
                     loss = loss + (nll * m[1:]).sum() / total_tokens
                 elif v > 0:
@@ -435,13 +444,7 @@ def pg_reference_worker(rank, world_size, samples, pg_configs):
         state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
         for pg in pg_configs:
             model.zero_grad()
-            logps = []
-            for s in samples:
-                t = torch.tensor(s["tokens"])
-                n = t.numel()
-                causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-                logits = model(t[None], torch.arange(n)[None], causal)[0]
-                logps.append(-F.cross_entropy(logits[:-1], t[1:], reduction="none"))
+            logps = sequence_logprobs(model, [s["tokens"] for s in samples])
             loss = pg_reference_loss(logps, samples, **pg)
             loss.backward()
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
@@ -463,14 +466,9 @@ def dpo_reference_worker(rank, world_size, samples):
         torch.manual_seed(0)
         model = build_gpt(model_config(), get_gpt_layer_local_spec())
         state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
-        sums = {}
-        for i, s in enumerate(samples):
-            t = torch.tensor(s["tokens"])
-            n = t.numel()
-            causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-            logits = model(t[None], torch.arange(n)[None], causal)[0]
-            logp = -F.cross_entropy(logits[:-1], t[1:], reduction="none")
-            sums[i] = (logp * torch.tensor(s["loss_mask"][1:])).sum()
+        logps = sequence_logprobs(model, [s["tokens"] for s in samples])
+        masks = [torch.tensor(s["loss_mask"][1:]) for s in samples]
+        sums = {i: (lp * m).sum() for i, (lp, m) in enumerate(zip(logps, masks, strict=True))}
         pairs = sorted({s["group"] for s in samples})
         loss = torch.zeros(())
         for g in pairs:

@@ -90,8 +90,10 @@ def read_manifest(folder: Path) -> dict:
 
 
 def find_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint under ``folder`` (None when there is none); incomplete or corrupt
-    step folders are skipped with a warning naming each."""
+    """The newest complete checkpoint under ``folder`` (None when there is none, or no such folder);
+    incomplete or corrupt step folders are skipped with a warning naming each."""
+    if not folder.is_dir():
+        return None
     steps = sorted(
         (p for p in folder.glob(f"{_STEP_PREFIX}*") if p.is_dir() and p.name[len(_STEP_PREFIX) :].isdigit()),
         key=lambda p: int(p.name[len(_STEP_PREFIX) :]),
@@ -118,7 +120,7 @@ def resume_folder(cfg: TrainConfig) -> Path | None:
     if cfg.resume is False:
         return None
     folder = checkpoint_folder(cfg)
-    found = find_checkpoint(folder) if folder.is_dir() else None
+    found = find_checkpoint(folder)
     if found is None and cfg.resume is True:
         raise ConfigError(
             f"resume=true but {folder} holds no complete checkpoint. Use resume=auto to start fresh when there "
@@ -164,7 +166,7 @@ class Checkpointer:
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint, or None."""
-        return find_checkpoint(self.folder) if self.folder.is_dir() else None
+        return find_checkpoint(self.folder)
 
     def _manifest(self, step: int, setup: TrainingSetup, sampler: GlobalBatchSampler) -> dict:
         return {

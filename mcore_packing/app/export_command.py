@@ -25,7 +25,7 @@ def _step_folder(path: Path) -> Path:
 
     if (path / MANIFEST).is_file():
         return path
-    found = find_checkpoint(path) if path.is_dir() else None
+    found = find_checkpoint(path)
     if found is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint step folder ({MANIFEST}) nor holds a complete one.")
     return found

@@ -95,19 +95,15 @@ def _sft_sample(a: int, b: int):
 
 def _warm_up(setup, steps: int, pairs: list[tuple[int, int]], rng, plan_config) -> list[float]:
     """A short SFT on correct answers: the answer format, and a start on the table (far from learned)."""
-    from ..megatron import run_step
     from ..planning import plan_step
+    from .step import train_step
 
     losses = []
     for _ in range(steps):
         batch = [pairs[i] for i in rng.integers(0, len(pairs), 64)]
         samples = [_sft_sample(a, b) for a, b in batch]
         plan = plan_step([len(s.tokens) for s in samples], plan_config)
-        setup.model.zero_grad_buffer()
-        setup.optimizer.zero_grad()
-        losses.append(run_step(setup.model, samples, plan, setup.groups, device=setup.device).loss)
-        setup.optimizer.step()
-        setup.scheduler.step(increment=1)
+        losses.append(train_step(setup, samples, plan, normalization="token_mean").result.loss)
     return losses
 
 

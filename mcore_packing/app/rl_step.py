@@ -20,6 +20,7 @@ from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, rollout_
 from ..planning import StepPlanConfig, plan_step
 from .config import TrainConfig
 from .model_setup import TrainingSetup
+from .step import train_step
 
 __all__ = ["RLStepConfig", "RLStepResult", "build_reference_model", "rl_step"]
 
@@ -79,7 +80,7 @@ def _per_position(rollouts: Sequence[Rollout], fallback) -> list:
 def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], plan_config: StepPlanConfig,
             config: RLStepConfig) -> RLStepResult:  # fmt: skip
     """One policy step on ``rollouts`` (every rank passes the same list)."""
-    from ..megatron import compute_logprobs, run_step
+    from ..megatron import compute_logprobs
 
     check_rollouts(rollouts, grpo=True)
     samples = rollout_samples(rollouts)
@@ -94,32 +95,25 @@ def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], 
     reference = None
     if config.loss.reference_policy_kl_penalty > 0:
         reference = compute_logprobs(reference_model, samples, logprob_plan, setup.groups, device=setup.device)
-    middle = time.perf_counter()
+    logprob_seconds = time.perf_counter() - start
     loss = ClippedPGLoss(config.loss, advantages=advantages.tolist(), old_logprobs=old,
                          reference_logprobs=reference, generation_logprobs=_per_position(rollouts, old))  # fmt: skip
-    setup.model.zero_grad_buffer()
-    setup.optimizer.zero_grad()
     train_plan = plan_step(lengths, plan_config, groups=keep)
-    result = run_step(setup.model, samples, train_plan, setup.groups, sample_loss=loss,
-                      normalization=config.loss.normalization, device=setup.device)  # fmt: skip
-    updated, grad_norm, _ = setup.optimizer.step()
-    setup.scheduler.step(increment=1)
-    end = time.perf_counter()
-    metrics = _reduce_metrics(loss.metrics)
-    metrics.update(grad_norm=None if grad_norm is None else float(grad_norm), update_applied=bool(updated),
+    outcome = train_step(setup, samples, train_plan, normalization=config.loss.normalization, sample_loss=loss)
+    metrics = _reduce_metrics(loss.metrics, setup.device)
+    metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated,
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
-    return RLStepResult(result.loss, metrics, advantages.tolist(), middle - start, end - middle)
+    return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds)
 
 
-def _reduce_metrics(sums: dict) -> dict:
+def _reduce_metrics(sums: dict, device) -> dict:
     """Token-weighted means over every rank (TP, CP and the stages without a loss scale all counts alike)."""
     import torch
     import torch.distributed as dist
 
-    values = torch.tensor([sums["tokens"], sums["clipped"], sums["approx_kl"], sums["ratio"]], dtype=torch.float64)
+    keys = ("tokens", "clipped", "approx_kl", "ratio")
+    values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            values = values.cuda()
         dist.all_reduce(values)
     tokens, clipped, kl, ratio = values.cpu().tolist()
     tokens = max(tokens, 1.0)

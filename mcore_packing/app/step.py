@@ -8,7 +8,7 @@ mixed precision, the distributed optimizer) is Megatron's optimizer, built in `m
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..data.sample import SequenceSample
@@ -32,16 +32,23 @@ class StepOutcome:
 
 
 def train_step(
-    setup: TrainingSetup, samples: Sequence[SequenceSample], plan: StepPlan, *, normalization: str
+    setup: TrainingSetup,
+    samples: Sequence[SequenceSample],
+    plan: StepPlan,
+    *,
+    normalization: str,
+    sample_loss: Callable | None = None,
 ) -> StepOutcome:
     """Zero the gradient buffers, run the plan (exact global loss; Megatron's finalize reduces the
-    gradients over DP/CP), step Megatron's optimizer, then the LR schedule."""
+    gradients over DP/CP), step Megatron's optimizer, then the LR schedule. ``sample_loss`` replaces the
+    NLL (`run_step`'s per-sample hook: the policy-gradient loss of `app.rl_step`)."""
     from ..megatron import run_step
 
     setup.model.zero_grad_buffer()
     setup.optimizer.zero_grad()
     start = time.perf_counter()
-    result = run_step(setup.model, samples, plan, setup.groups, normalization=normalization, device=setup.device)
+    result = run_step(setup.model, samples, plan, setup.groups, normalization=normalization,
+                      sample_loss=sample_loss, device=setup.device)  # fmt: skip
     lr = setup.optimizer.param_groups[0]["lr"]
     updated, grad_norm, _ = setup.optimizer.step()
     setup.scheduler.step(increment=1)

@@ -116,7 +116,7 @@ def train(cfg: TrainConfig) -> dict:
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
-        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest()
+        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.device)
         for step in range(start + 1, cfg.training.steps + 1):
             batch_ids = sampler.next_batch()
             plan = plan_step([lengths[i] for i in batch_ids], step_config)

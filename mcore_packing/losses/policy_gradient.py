@@ -91,14 +91,16 @@ class ClippedPGLoss:
         row = torch.as_tensor(rows[sample_id], dtype=torch.float32, device=like.device).reshape(-1)
         return row[: like.numel()]
 
-    def per_token(self, sample_id: int, logprobs: torch.Tensor) -> torch.Tensor:
-        """The loss of every next-token position of one sample (before masking)."""
+    def per_token(self, sample_id: int, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss of every next-token position of one sample (before masking), and the log of the
+        ratio to the old policy there."""
         cfg = self.config
         lp = logprobs.float()
         old = self._row(self.old, sample_id, lp)
         advantage = torch.as_tensor(self.advantages[sample_id], dtype=torch.float32, device=lp.device)
         advantage = advantage.reshape(-1)[: lp.numel()] if advantage.dim() else advantage
-        ratio = torch.exp(lp - old)
+        log_ratio_old = lp - old
+        ratio = torch.exp(log_ratio_old)
         clipped = torch.clamp(ratio, 1 - cfg.ratio_clip_min, 1 + cfg.ratio_clip_max)
         loss = torch.maximum(-advantage * ratio, -advantage * clipped)
         if cfg.ratio_clip_c is not None:
@@ -109,17 +111,16 @@ class ClippedPGLoss:
             loss = loss + cfg.reference_policy_kl_penalty * kl
         if cfg.use_importance_sampling_correction:
             loss = loss * torch.exp(old - self._row(self.generation, sample_id, lp))
-        return loss
+        return loss, log_ratio_old
 
     def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         weights = mask.float()
-        loss = (self.per_token(sample_id, logprobs) * weights).sum()
-        self._record(sample_id, logprobs.detach(), weights)
+        per_token, log_ratio = self.per_token(sample_id, logprobs)
+        loss = (per_token * weights).sum()
+        self._record(log_ratio.detach(), weights)
         return loss if self.config.token_level_loss else loss / weights.sum().clamp_min(1)
 
-    def _record(self, sample_id: int, logprobs: torch.Tensor, weights: torch.Tensor) -> None:
-        lp = logprobs.float()
-        log_ratio = lp - self._row(self.old, sample_id, lp)
+    def _record(self, log_ratio: torch.Tensor, weights: torch.Tensor) -> None:
         ratio = torch.exp(log_ratio)
         outside = (ratio < 1 - self.config.ratio_clip_min) | (ratio > 1 + self.config.ratio_clip_max)
         self.metrics["tokens"] += float(weights.sum())

@@ -73,15 +73,21 @@ def _sharded_state(model, optimizer, *, with_rng: bool, loading: bool) -> dict:
     return state
 
 
+def _distributed_optimizers(optimizer) -> list:
+    """The DistributedOptimizers inside ``optimizer`` (Megatron chains one per parameter kind)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o for o in inner if isinstance(o, DistributedOptimizer)]
+
+
 def _allocate_optimizer_state(optimizer) -> None:
     """The distributed optimizer reads its inner optimizer's step count while building the state dict to
     load into; torch's Adam (used where neither TransformerEngine nor Apex is installed) has none before
     its first step. Megatron's own dummy step (zero gradients, on the fp32 main shards only) allocates it;
     everything it touches is overwritten by the load."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if isinstance(inner, DistributedOptimizer) and not inner.optimizer.state:
+    for inner in _distributed_optimizers(optimizer):
+        if not inner.optimizer.state:
             inner._init_optimizer_states_with_dummy_values()
 
 
@@ -98,12 +104,8 @@ def _torch_adam_steps_restored(optimizer):
       per step and the bias correction would be wrong from the first step after a resume (found by the
       resume-equivalence test). Each parameter gets its own copy.
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
     patched = [
-        inner
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer])
-        if isinstance(inner, DistributedOptimizer) and isinstance(inner.optimizer, torch.optim.Optimizer)
+        inner for inner in _distributed_optimizers(optimizer) if isinstance(inner.optimizer, torch.optim.Optimizer)
     ]
     for inner in patched:
         original = inner._set_main_param_and_optimizer_states

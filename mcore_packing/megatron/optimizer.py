@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["LR_DECAY_STYLES", "OPTIMIZERS", "build_optimizer", "build_scheduler"]
-
-OPTIMIZERS = ("adam", "sgd")
-LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")
+__all__ = ["build_optimizer", "build_scheduler"]
 
 
 def build_optimizer(
