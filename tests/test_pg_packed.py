@@ -4,7 +4,8 @@ Rollouts: a prompt (masked out) and a response, a GRPO-style scalar advantage pe
 old, reference and generation log-probs near the model's own (so some ratios fall outside the clip range).
 Reference: Megatron's stock model, one sequence per forward, the loss written out in plain torch
 (`step_workers.pg_reference_loss`, sharing no code with `mcore_packing.losses`), normalized over the whole
-batch. Under test: `run_step(sample_loss=ClippedPGLoss(...))` through Megatron's schedule on gloo ranks.
+batch. Under test: `run_step(sample_loss=ClippedPGLoss(...))` through Megatron's schedule on gloo ranks,
+packed (THD) and dynamically batched (BSHD rows of similar length, also under PP=2).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _check(result, ref):
     assert abs(result["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (result["config"], result["loss"], ref["loss"])
     errors = grad_errors(result["grads"], ref["grads"])
     assert max(errors.values()) <= 1e-5, (result["config"], max(errors.values()))
-    layout = {k: result["config"].get(k, 1) for k in ("tp", "pp", "cp")}
+    layout = {"mode": result["config"]["mode"], **{k: result["config"].get(k, 1) for k in ("tp", "pp", "cp")}}
     token_level = result["config"]["pg"]["token_level_loss"]
     loss_error = abs(result["loss"] - ref["loss"]) / abs(ref["loss"])
     print(f"{layout} token_level={token_level}: loss {loss_error:.1e}, grads {max(errors.values()):.1e}")
@@ -78,20 +79,23 @@ def test_reference_rollouts_exercise_clipping(reference):
     assert abs(reference["pg"][0]["loss"]) > 1e-3
 
 
-def test_single_rank_packed_pg_equals_unpacked(reference):
-    configs = [{"mode": "packing", "pg": pg, "train_mb_tokens": 64} for pg in PG_CONFIGS]
+def test_single_rank_packed_and_dynamic_pg_equal_unpacked(reference):
+    configs = [{"mode": mode, "pg": pg, "train_mb_tokens": 64} for mode in ("packing", "dynamic") for pg in PG_CONFIGS]
     results = run_distributed(
         "tests.step_workers:step_worker", 1, configs=configs, samples=ROLLOUTS, state_dict=reference["state_dict"]
     )[0]
-    for result, ref in zip(results, reference["pg"], strict=True):
+    for result, ref in zip(results, reference["pg"] * 2, strict=True):
         _check(result, ref)
 
 
 @pytest.mark.slow
-def test_pg_on_cp2_dp2_and_tp2_pp2_equals_unpacked(reference):
+def test_pg_on_cp2_dp2_tp2_pp2_and_dynamic_pp2_equals_unpacked(reference):
     configs = [
         *({"mode": "packing", "pg": pg, "cp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),  # DP=2
         *({"mode": "packing", "pg": pg, "tp": 2, "pp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),
+        # Dynamic batching (BSHD rows of similar length) through the pipeline: PP=2, DP=2.
+        *({"mode": "dynamic", "pg": pg, "pp": 2, "variable_seq_lengths": True, "train_mb_tokens": 64}
+          for pg in PG_CONFIGS),
         # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
         {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 2, "train_mb_tokens": 64,
          "negative_pg": "per_microbatch_normalization"},
@@ -105,7 +109,7 @@ def test_pg_on_cp2_dp2_and_tp2_pp2_equals_unpacked(reference):
         timeout=900,
     )[0]
     *good, wrong = results
-    for result, ref in zip(good, reference["pg"] * 2, strict=True):
+    for result, ref in zip(good, reference["pg"] * 3, strict=True):
         _check(result, ref)
     ref = reference["pg"][0]
     assert abs(wrong["loss"] - ref["loss"]) > 1e-3 * abs(ref["loss"]), (wrong["loss"], ref["loss"])

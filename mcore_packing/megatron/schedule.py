@@ -72,7 +72,7 @@ def run_step(
         groups: process groups (`ParallelGroups.from_megatron()`).
         normalization: ``token_mean`` (default) or ``sequence_mean``.
         sequence_loss: optional ``fn(logprobs, loss_mask) -> scalar`` per sequence on the unpacked view
-            (packing mode); the step loss is the sequence mean of ``fn``.
+            (`prepare.per_sample_logprobs`: any mode); the step loss is the sequence mean of ``fn``.
         group_loss: optional ``fn(members) -> scalar`` per group (DPO pairs, GRPO groups), where
             ``members`` is ``[(sample_id, logprobs, loss_mask), ...]`` in sample order; the step loss is
             the mean over groups. Needs ``group_ids`` and a plan made with the same ``groups``.
@@ -245,13 +245,10 @@ def _check_schedule_config(plan: StepPlan, model_config) -> None:
 
 
 def _check_loss_options(plan: StepPlan, samples, sequence_loss, group_loss, group_ids, sample_loss) -> None:
+    """One per-unit loss at most; a group loss needs the plan's groups (packing: a group shares a row)."""
     given = [fn for fn in (sequence_loss, group_loss, sample_loss) if fn is not None]
     if len(given) > 1:
         raise ValueError("pass one of sequence_loss, group_loss and sample_loss.")
-    if given and plan.config.mode != "packing":
-        raise ValueError(
-            "sequence_loss / group_loss / sample_loss run on the unpacked view of packed rows: use mode='packing'."
-        )
     if group_loss is None:
         return
     if group_ids is None or len(group_ids) != len(samples):

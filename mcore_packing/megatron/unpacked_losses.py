@@ -1,4 +1,5 @@
-"""Losses computed per sequence or per group on the unpacked view of a packed micro-batch.
+"""Losses computed per sequence, per sample or per group on the unpacked view of a micro-batch (packed
+THD rows, or the padded BSHD rows of dynamic batching).
 
 `run_step(sequence_loss=fn)` calls ``fn(logprobs, loss_mask)`` once per sequence, `run_step(group_loss=
 fn)` calls ``fn(members)`` once per group (DPO pairs, GRPO groups); both see exactly the log-probs an
