@@ -34,23 +34,24 @@ def make_rollouts(seed: int = 11, groups: int = 4, per_group: int = 4, vocab: in
 
 
 def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float):
-    from mcore_packing.app.config import plan_config
+    from mcore_packing.app.config import GRPOConfig, plan_config
     from mcore_packing.app.model_setup import default_device, device_context, setup_training
-    from mcore_packing.app.rl_step import RLStepConfig, build_reference_model, rl_step
+    from mcore_packing.app.rl_step import build_reference_model, rl_step
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.losses import ClippedPGConfig
 
     cfg = compose_config(None, [*SMALL, f"run_dir={root}"])
     shape = cfg.model.shape(128)
     rollouts = make_rollouts()
-    config = RLStepConfig(loss=ClippedPGConfig(reference_policy_kl_penalty=kl))
+    loss = ClippedPGConfig(reference_policy_kl_penalty=kl)
+    grouped = GRPOConfig(keep_groups_together=True)  # each group in one micro-batch of the log-prob pass
     results = []
     with device_context(default_device()):
         setup = setup_training(cfg, shape)
         reference = build_reference_model(cfg, shape, setup.device)
         step_config = plan_config(cfg, setup.world_size // cfg.parallel.model_parallel_size, vocab_size=128)
         for _ in range(2):
-            r = rl_step(setup, reference, rollouts, step_config, config)
+            r = rl_step(setup, reference, rollouts, step_config, loss=loss, grpo=grouped)
             results.append({"loss": r.loss, "metrics": r.metrics, "advantages": r.advantages,
                             "logprob_seconds": r.logprob_seconds, "train_seconds": r.train_seconds})  # fmt: skip
     return results

@@ -51,9 +51,10 @@ FORMAT_VERSION = 2
 _STEP_PREFIX = "step_"
 
 
-def data_fingerprint(samples) -> str:
-    """A hash of every sample's tokens and loss mask, in order: the same data set gives the same value."""
-    digest = hashlib.sha256()
+def data_fingerprint(samples, extra: list | None = None) -> str:
+    """A hash of every sample's tokens and loss mask, in order (and of ``extra``, JSON-serializable: the
+    rollouts' rewards and groups): the same data set gives the same value."""
+    digest = hashlib.sha256(json.dumps(extra).encode() if extra else b"")
     for sample in samples:
         tokens = np.asarray(sample.tokens, dtype=np.int64)
         digest.update(len(tokens).to_bytes(8, "little"))

@@ -1,7 +1,8 @@
 """The trainer's structured configuration: one dataclass per Hydra group, each validated when it is built.
 
 Groups (YAML in ``hydra_configs/<group>/``): model, optimizer, data, sequence_packing, dynamic_batching,
-parallel, training, logging, cluster. Keys of ``sequence_packing`` and ``dynamic_batching`` are NeMo-RL's. The same
+parallel, training, logging, cluster, grpo, loss_fn. Keys of ``sequence_packing``, ``dynamic_batching``,
+``grpo`` and ``loss_fn`` are NeMo-RL's (``loss_fn`` is `losses.ClippedPGConfig` itself). The same
 dataclasses are registered in Hydra's ConfigStore (schemas); the defaults list lives in YAML.
 
 Each group checks its own keys in ``__post_init__`` (`ConfigError` naming ``group.key`` and the fix);
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..data.sft import LONG_SAMPLE_POLICIES
+from ..losses import ClippedPGConfig
 from ..planning import BALANCES, ORDERS, CostModel, ModelShape, StepPlanConfig
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..validators import require_choice, require_positive_int
@@ -25,12 +27,14 @@ from ..validators import require_choice, require_positive_int
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # Megatron's OptimizerParamScheduler
 OPTIMIZERS = ("adam", "sgd")
 RESUME_CHOICES = (False, True, "auto")
+ALGORITHMS = ("sft", "grpo")
 
 __all__ = [
     "ClusterConfig",
     "ConfigError",
     "DataConfig",
     "DynamicBatchingConfig",
+    "GRPOConfig",
     "LoggingConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -277,6 +281,29 @@ class TrainingConfig:
 
 
 @dataclass
+class GRPOConfig:
+    """``algorithm=grpo``: the policy step on rollouts an inference engine wrote (NeMo-RL's ``grpo`` keys).
+
+    Each step takes ``num_prompts_per_step`` groups (all responses to one prompt) from ``rollouts``, drawn
+    like SFT samples (seeded order, epochs, resumable). The loss is the ``loss_fn`` group."""
+
+    rollouts: str | None = None  # JSONL: prompt_tokens, response_tokens, reward, group_id[, generation_logprobs]
+    num_prompts_per_step: int = 32
+    num_generations_per_prompt: int | None = None  # when set, every group must have exactly this many responses
+    use_leave_one_out_baseline: bool = False  # baseline: the mean of the group's other rewards
+    normalize_rewards: bool = True  # divide advantages by the group's reward standard deviation
+    keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass (packing)
+
+    def __post_init__(self):
+        _positive("grpo", self, "num_prompts_per_step")
+        _positive("grpo", self, "num_generations_per_prompt", allow_none=True)
+        if self.num_generations_per_prompt == 1:
+            raise ConfigError(
+                "grpo.num_generations_per_prompt=1: GRPO compares several responses per prompt; use >= 2."
+            )
+
+
+@dataclass
 class LoggingConfig:
     log_interval: int = 1
     progress_bar: bool = True
@@ -309,12 +336,21 @@ class TrainConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    loss_fn: ClippedPGConfig = field(default_factory=ClippedPGConfig)
+    algorithm: str = "sft"  # sft (NLL on data.*) | grpo (clipped policy gradient on grpo.rollouts)
     run_name: str = "sft"
     run_dir: str = "outputs/local/sft"
     resume: Any = False  # false | true (the newest complete checkpoint; error if none) | auto (that, or start)
 
     def __post_init__(self):
         require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
+        require_choice("algorithm", self.algorithm, ALGORITHMS, error=ConfigError)
+        if self.algorithm == "grpo" and self.grpo.keep_groups_together and not self.sequence_packing.enabled:
+            raise ConfigError(
+                "grpo.keep_groups_together=true keeps a group in one packed row: it needs sequence_packing.enabled="
+                "true. Set grpo.keep_groups_together=false to use dynamic batching."
+            )
 
 
 GROUPS = {
@@ -327,6 +363,8 @@ GROUPS = {
     "training": TrainingConfig,
     "logging": LoggingConfig,
     "cluster": ClusterConfig,
+    "grpo": GRPOConfig,
+    "loss_fn": ClippedPGConfig,
 }
 
 
@@ -379,11 +417,12 @@ def plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None) -> Ste
 
 def check_data_fits(cfg: TrainConfig, plan: StepPlanConfig, lengths) -> None:
     """The budget must hold the longest (padded) sample of the data set: say so before training starts."""
-    section = {"packing": "sequence_packing", "dynamic": "dynamic_batching"}.get(plan.mode)
-    if section is None:  # padded mode is sized from data.max_sample_tokens
-        return
+    key, fix = {
+        "packing": ("sequence_packing.train_mb_tokens", "lower data.max_sample_tokens"),
+        "dynamic": ("dynamic_batching.train_mb_tokens", "lower data.max_sample_tokens"),
+    }.get(plan.mode, ("data.max_sample_tokens", "drop them"))  # padded rows: SFT samples are cut to it, rollouts not
     try:
-        plan.check_fits(lengths, key=f"{section}.train_mb_tokens", fix="lower data.max_sample_tokens")
+        plan.check_fits(lengths, key=key, fix=fix)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 
@@ -425,5 +464,12 @@ def to_train_config(cfg: Any) -> TrainConfig:
     check_unknown_keys(cfg)
     mapping = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     mapping.pop("hydra", None)
-    parts = {key: GROUPS[key](**mapping.pop(key)) for key in list(mapping) if key in GROUPS}
+    parts = {}
+    for key in [k for k in mapping if k in GROUPS]:
+        try:
+            parts[key] = GROUPS[key](**mapping.pop(key))
+        except ConfigError:
+            raise
+        except ValueError as exc:  # a group defined below app (loss_fn) names its keys without the group
+            raise ConfigError(f"{key}.{exc}") from None
     return TrainConfig(**parts, **mapping)

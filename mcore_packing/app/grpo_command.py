@@ -114,21 +114,20 @@ def run_grpo(*, run_dir: str, steps: int = 60, warmup_steps: int = 10, prompts: 
     from ..losses.rollouts import Rollout
     from ..planning import ModelShape, StepPlanConfig
     from .model_setup import default_device, device_context, setup_training
-    from .rl_step import RLStepConfig, build_reference_model, rl_step
+    from .rl_step import rl_step
 
     cfg = _config(run_dir, lr, seed)
     shape: ModelShape = cfg.model.shape(VOCAB)
     rng = np.random.default_rng(seed)
     sums = [(a, b) for a in range(max_digit + 1) for b in range(max_digit + 1)]
     plan_config = StepPlanConfig(mode="packing", train_mb_tokens=256, logprob_mb_tokens=512)
-    rl_config = RLStepConfig(loss=ClippedPGConfig(reference_policy_kl_penalty=0.0))
+    loss_config = ClippedPGConfig()  # no KL penalty: no reference model needed
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     records = []
     with device_context(default_device()):
         setup = setup_training(cfg, shape)
         warm = _warm_up(setup, warmup_steps, sums, rng, plan_config)
         log(f"SFT warm-up: {warmup_steps} steps, loss {warm[0]:.3f} -> {warm[-1]:.3f}")
-        reference = build_reference_model(cfg, shape, setup.device)  # unused without a KL penalty
         with (Path(run_dir) / "metrics.jsonl").open("w") as f:
             for step in range(1, steps + 1):
                 chosen = [sums[i] for i in rng.integers(0, len(sums), prompts)]
@@ -143,7 +142,7 @@ def run_grpo(*, run_dir: str, steps: int = 60, warmup_steps: int = 10, prompts: 
                     )
                     for i, ((a, b), r) in enumerate(zip(asked, responses, strict=True))
                 ]
-                result = rl_step(setup, reference, rollouts, plan_config, rl_config)
+                result = rl_step(setup, None, rollouts, plan_config, loss=loss_config)
                 record = {"step": step, **result.metrics, "loss": result.loss,
                           "logprob_seconds": result.logprob_seconds, "train_seconds": result.train_seconds}  # fmt: skip
                 f.write(json.dumps(record) + "\n")

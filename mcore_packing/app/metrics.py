@@ -2,8 +2,10 @@
 
 Each record has the loss, the learning rate, the gradient norm (before clipping), tokens/s, useful vs
 computed tokens, micro-batches per rank, the rank balance of tokens and of attention-aware cost, and the
-step time next to the time a cost model calibrated on the earlier steps predicted for it. Only rank 0
-writes.
+step time next to the time a cost model calibrated on the earlier steps predicted for it; a GRPO step
+adds the mean reward, clip fraction, approximate KL (old vs new policy), KL to the reference, mean ratio,
+entropy estimate and the seconds of its log-prob and training passes (``step_time_s`` is the training
+pass). Only rank 0 writes.
 """
 
 from __future__ import annotations
@@ -31,6 +33,14 @@ _TENSORBOARD_KEYS = (
     "rank_cost_max_over_mean",
     "predicted_step_time_s",
     "step_time_s",
+    # GRPO (algorithm=grpo)
+    "mean_reward",
+    "clip_fraction",
+    "approx_kl",
+    "reference_kl",
+    "mean_ratio",
+    "entropy_estimate",
+    "logprob_pass_s",
 )
 
 
@@ -46,8 +56,9 @@ class MetricsLogger:
         self.writer = _tensorboard(Path(cfg.run_dir)) if cfg.logging.tensorboard and self.enabled else None
         self.progress = _Progress(self.total_steps, cfg.logging.progress_bar and self.enabled)
 
-    def log_step(self, step: int, plan: StepPlan, outcome, batch_ids: list[int]) -> dict:
-        """Build the step's record (on every rank) and write it (rank 0)."""
+    def log_step(self, step: int, plan: StepPlan, outcome, batch_ids: list[int], extra: dict | None = None) -> dict:
+        """Build the step's record (on every rank; ``extra``: the algorithm's own metrics) and write it
+        (rank 0)."""
         stats = plan.stats()
         slowest = max(plan.micro_batches, key=lambda rank: sum(mb.cost for mb in rank))
         slowest_lengths = [plan.lengths[i] for mb in slowest for i in mb.sample_indices]
@@ -69,6 +80,7 @@ class MetricsLogger:
             "predicted_step_time_s": predicted,
             "step_time_s": outcome.seconds,
             "sample_ids": batch_ids,
+            **(extra or {}),
         }
         if self.enabled:
             self._write(record)
@@ -82,7 +94,7 @@ class MetricsLogger:
             log.info("step %d/%d loss %s", step, self.total_steps, _console_text(record))
         if self.writer is not None:
             for key in _TENSORBOARD_KEYS:
-                if record[key] is not None:
+                if record.get(key) is not None:
                     self.writer.add_scalar(f"train/{key}", record[key], step)
         self.progress.update(step, f"loss {record['loss']:.3f}")
 
@@ -93,6 +105,10 @@ class MetricsLogger:
 
 def _console_text(r: dict) -> str:
     text = f"{r['loss']:.4f} | lr {r['lr']:.3g}"
+    if "mean_reward" in r:
+        text += (f" | reward {r['mean_reward']:.3f} | clip {r['clip_fraction']:.3f} | kl to ref "
+                 f"{r['reference_kl']:.2e} | entropy {r['entropy_estimate']:.3f} | log-prob pass "
+                 f"{r['logprob_pass_s']:.2f}s")  # fmt: skip
     if r["grad_norm"] is not None:
         text += f" | grad norm {r['grad_norm']:.3f}"
     if r["predicted_step_time_s"] is not None:

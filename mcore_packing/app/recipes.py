@@ -3,8 +3,9 @@
 Each takes ``num_nodes`` and ``gpus_per_node`` and picks a parallel layout that fits them. The model is
 the real family it names (built from the published config.json fields in `HF_CONFIGS`); a real run
 starts from its Hugging Face checkpoint, ``model.hf_path=/path/to/folder`` (a run without it is an error
-naming the key; ``--dry-run`` works without). Recipes train on the bundled CHAMP conversations, with the
-checkpoint's tokenizer and chat template; point ``data=jsonl data.path=...`` at your data.
+naming the key; ``--dry-run`` works without). SFT recipes train on the bundled CHAMP conversations, with
+the checkpoint's tokenizer and chat template; point ``data=jsonl data.path=...`` at your data. The GRPO
+recipe (``algorithm=grpo``) trains on ``grpo.rollouts=/path/rollouts.jsonl``.
 
     from mcore_packing.app.recipes import llama3_8b_sft_packed, apply_packing
     cfg = llama3_8b_sft_packed(num_nodes=2, gpus_per_node=8)
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..losses import ClippedPGConfig
 from ..packing import resolve_algorithm
 from ..planning.hf_config import shape_from_hf_config
 from .config import (
     ClusterConfig,
     DataConfig,
+    GRPOConfig,
     ModelConfig,
     OptimizerConfig,
     ParallelConfig,
@@ -182,9 +185,11 @@ def llama3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainCon
 
 
 def qwen2_7b_grpo_cp(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
-    """Qwen2.5-7B policy step at GRPO scale: long rollouts, CP=2, a larger budget for the log-prob pass."""
+    """Qwen2.5-7B GRPO policy step: 64 prompts x 8 responses per step from ``grpo.rollouts`` (your inference
+    engine's JSONL, with its log-probs for the importance-sampling correction), long rollouts on CP=2,
+    a larger budget for the forward-only log-prob pass, KL to the starting weights."""
     tp = _tp_for(gpus_per_node, 4)
-    return _family_recipe(
+    cfg = _family_recipe(
         "qwen2-7b-grpo-cp",
         "Qwen2.5-7B",
         parallel=ParallelConfig(tp=tp, cp=2, sequence_parallel=tp > 1),
@@ -195,11 +200,15 @@ def qwen2_7b_grpo_cp(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
             algorithm="modified_first_fit_decreasing",
             microbatch_order="largest_first",
         ),
-        training=TrainingConfig(global_batch_size=512, steps=500, loss_normalization="token_mean"),
+        training=TrainingConfig(global_batch_size=512, steps=500),  # 64 prompts x 8 responses
         optimizer=rl_optimizer(1e-6),
         cluster=_cluster(num_nodes, gpus_per_node),
         max_sample_tokens=16384,
     )
+    grpo = GRPOConfig(num_prompts_per_step=64, num_generations_per_prompt=8)
+    loss = ClippedPGConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, reference_policy_kl_penalty=0.01,
+                           token_level_loss=True, use_importance_sampling_correction=True)  # fmt: skip
+    return dataclasses.replace(cfg, algorithm="grpo", grpo=grpo, loss_fn=loss)
 
 
 def llama3_70b_sft_long_context(num_nodes: int = 8, gpus_per_node: int = 8) -> TrainConfig:

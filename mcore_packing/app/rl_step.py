@@ -4,7 +4,10 @@
     log-prob pass  -> plan_step(forward_only, logprob_mb_tokens) -> compute_logprobs(policy), (reference)
     training pass  -> plan_step(train_mb_tokens) -> run_step(sample_loss=ClippedPGLoss) -> optimizer, schedule
 
-Groups (the responses to one prompt) share a micro-batch when ``keep_groups_together``. The reference
+Groups (the responses to one prompt) share a micro-batch of the log-prob pass when ``keep_groups_together``
+(packing); the training pass packs freely (the loss is per sample, its normalization global). The
+settings are the trainer's ``loss_fn`` (`losses.ClippedPGConfig`) and ``grpo`` (`config.GRPOConfig`)
+groups; `trainer.train` runs this step per global batch of groups with ``algorithm=grpo``. The reference
 model is built once (`build_reference_model`: the policy's shape and layout, the same starting weights,
 no optimizer). Generation is the user's inference engine's job; this step takes its rollouts.
 """
@@ -13,33 +16,31 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..losses import ClippedPGConfig, ClippedPGLoss
 from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, rollout_samples
 from ..planning import StepPlanConfig, plan_step
-from .config import TrainConfig
+from .config import GRPOConfig, TrainConfig
 from .model_setup import TrainingSetup
-from .step import train_step
+from .step import StepOutcome, train_step
 
-__all__ = ["RLStepConfig", "RLStepResult", "build_reference_model", "rl_step"]
-
-
-@dataclass(frozen=True, kw_only=True)
-class RLStepConfig:
-    loss: ClippedPGConfig = field(default_factory=ClippedPGConfig)
-    leave_one_out: bool = False  # GRPO baseline: the group's other rewards instead of its mean
-    normalize_std: bool = True  # divide by the group's reward standard deviation
-    keep_groups_together: bool = True
+__all__ = ["RLStepResult", "build_reference_model", "rl_step"]
 
 
 @dataclass(frozen=True)
 class RLStepResult:
+    """The step's loss (exact, every rank), its metrics (clip fraction, approximate KL, mean ratio,
+    entropy estimate, mean reward, grad norm), the advantages, the seconds of each pass, and the training
+    pass's plan and `StepOutcome` (for `MetricsLogger.log_step`)."""
+
     loss: float
     metrics: dict
     advantages: list[float]
     logprob_seconds: float
     train_seconds: float
+    plan: object
+    outcome: StepOutcome
 
 
 def build_reference_model(cfg: TrainConfig, shape, device):
@@ -77,33 +78,61 @@ def _per_position(rollouts: Sequence[Rollout], fallback) -> list:
     return rows
 
 
-def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], plan_config: StepPlanConfig,
-            config: RLStepConfig) -> RLStepResult:  # fmt: skip
-    """One policy step on ``rollouts`` (every rank passes the same list)."""
+def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], plan_config: StepPlanConfig, *,
+            loss: ClippedPGConfig, grpo: GRPOConfig | None = None) -> RLStepResult:  # fmt: skip
+    """One policy step on ``rollouts`` (every rank passes the same list). ``grpo`` (the trainer's
+    ``grpo`` group; its defaults when None) sets the advantage baseline and the grouping."""
     from ..megatron import compute_logprobs
 
+    grpo = grpo or GRPOConfig()
     check_rollouts(rollouts, grpo=True)
     samples = rollout_samples(rollouts)
     lengths = [len(s.tokens) for s in samples]
     group_ids = [r.group_id for r in rollouts]
-    advantages = grpo_advantages([r.reward for r in rollouts], group_ids, leave_one_out=config.leave_one_out,
-                                 normalize_std=config.normalize_std)  # fmt: skip
-    keep = group_ids if config.keep_groups_together else None
+    advantages = grpo_advantages([r.reward for r in rollouts], group_ids, leave_one_out=grpo.use_leave_one_out_baseline,
+                                 normalize_std=grpo.normalize_rewards)  # fmt: skip
+    keep = _kept_groups(grpo, plan_config, group_ids)
     start = time.perf_counter()
     logprob_plan = plan_step(lengths, plan_config, forward_only=True, groups=keep)
     old = compute_logprobs(setup.model, samples, logprob_plan, setup.groups, device=setup.device)
     reference = None
-    if config.loss.reference_policy_kl_penalty > 0:
+    if loss.reference_policy_kl_penalty > 0:
         reference = compute_logprobs(reference_model, samples, logprob_plan, setup.groups, device=setup.device)
     logprob_seconds = time.perf_counter() - start
-    loss = ClippedPGLoss(config.loss, advantages=advantages.tolist(), old_logprobs=old,
-                         reference_logprobs=reference, generation_logprobs=_per_position(rollouts, old))  # fmt: skip
-    train_plan = plan_step(lengths, plan_config, groups=keep)
-    outcome = train_step(setup, samples, train_plan, normalization=config.loss.normalization, sample_loss=loss)
-    metrics = _reduce_metrics(loss.metrics, setup.device)
-    metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated,
+    pg_loss = ClippedPGLoss(loss, advantages=advantages.tolist(), old_logprobs=old, reference_logprobs=reference,
+                            generation_logprobs=_per_position(rollouts, old))  # fmt: skip
+    train_plan = plan_step(lengths, plan_config)  # the loss is per sample: groups may split here
+    outcome = train_step(setup, samples, train_plan, normalization=loss.normalization, sample_loss=pg_loss)
+    metrics = _reduce_metrics(pg_loss.metrics, setup.device)
+    metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
-    return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds)
+    return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds,
+                        train_plan, outcome)  # fmt: skip
+
+
+def _kept_groups(grpo: GRPOConfig, plan_config: StepPlanConfig, group_ids: list):
+    """The group ids to keep in one micro-batch, or None; grouping needs packed rows."""
+    if not grpo.keep_groups_together:
+        return None
+    if plan_config.mode != "packing":
+        raise ValueError(
+            f"keep_groups_together keeps a group in one packed row, but the plan's mode is {plan_config.mode!r}: "
+            "use sequence packing, or set keep_groups_together=False."
+        )
+    return group_ids
+
+
+def _entropy(old_logprobs, samples) -> float:
+    """The policy's entropy per response token, estimated as the mean of -log p(sampled token) under the
+    pre-step policy: free (the log-prob pass computed it) and unbiased for on-policy samples; the exact
+    entropy needs the whole vocabulary's logits, which the packed path never materializes."""
+    total, count = 0.0, 0.0
+    for i, sample in enumerate(samples):
+        n = len(sample.tokens)
+        mask = old_logprobs.new_tensor(sample.loss_mask[1:n])
+        total -= float((old_logprobs[i, : n - 1] * mask).sum())
+        count += float(mask.sum())
+    return total / max(count, 1.0)
 
 
 def _reduce_metrics(sums: dict, device) -> dict:
@@ -111,10 +140,11 @@ def _reduce_metrics(sums: dict, device) -> dict:
     import torch
     import torch.distributed as dist
 
-    keys = ("tokens", "clipped", "approx_kl", "ratio")
+    keys = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl")
     values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(values)
-    tokens, clipped, kl, ratio = values.cpu().tolist()
+    tokens, clipped, kl, ratio, reference_kl = values.cpu().tolist()
     tokens = max(tokens, 1.0)
-    return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens, "mean_ratio": ratio / tokens}
+    return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens, "mean_ratio": ratio / tokens,
+            "reference_kl": reference_kl / tokens}  # fmt: skip

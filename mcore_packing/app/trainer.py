@@ -1,15 +1,18 @@
 """The training loop, wired from parts with one job each.
 
-    data      = load_data(cfg)                         samples + vocabulary (`mcore_packing.data.sft`)
+    data      = load_data(cfg)                         SFT samples + vocabulary (`mcore_packing.data.sft`),
+                                                       or GRPO rollouts grouped by prompt (`rollout_data`)
     plan cfg  = config.plan_config(cfg, dp)            the one config -> planner translation
     setup     = model_setup.setup_training(cfg, vocab) distributed, model, Megatron optimizer + LR schedule
     resume    = checkpoint.resume_folder(cfg)          newest complete checkpoint (resume=true|auto)
-    each step: sampler.next_batch -> plan_step -> step.train_step -> metrics.log_step -> checkpointer
+    each step: sampler.next_batch -> the algorithm's step -> metrics.log_step -> checkpointer
+               sft:  plan_step -> step.train_step (NLL)
+               grpo: rl_step.rl_step (log-prob pass, then the clipped policy gradient through train_step)
     stop      = stop_request.StopRequest               a cluster's "save and exit" (Slurm --signal)
 
-Every rank loads the same samples, draws the same global batch from a seeded sampler, plans it
-identically (no communication) and runs only its share. `dry_run` does everything up to the plan of the
-first global batch, without torch or Megatron.
+Every rank loads the same samples, draws the same global batch from a seeded sampler (samples for SFT,
+groups of responses for GRPO), plans it identically (no communication) and runs only its share.
+`dry_run` does everything up to the plan of the first global batch, without torch or Megatron.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from .checkpoint import Checkpointer, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
-from .model_setup import default_device, device_context, setup_training
+from .model_setup import TrainingSetup, default_device, device_context, setup_training
+from .rollout_data import RolloutData, load_rollout_data
 from .step import train_step
 from .stop_request import StopRequest
 
@@ -36,8 +40,11 @@ __all__ = ["RunInputs", "dry_run", "load_data", "prepare_run", "quiet_megatron_o
 log = logging.getLogger("mcore_packing.train")
 
 
-def load_data(cfg: TrainConfig) -> SftData:
-    """The run's samples; data problems (a missing file or field) are config errors (exit 2)."""
+def load_data(cfg: TrainConfig) -> SftData | RolloutData:
+    """The run's samples (``algorithm=grpo``: its rollouts); data problems (a missing file or field) are
+    config errors (exit 2)."""
+    if cfg.algorithm == "grpo":
+        return load_rollout_data(cfg.grpo)
     try:
         return load_sft_data(**asdict(cfg.data), tokenizer_path=cfg.model.hf_path)
     except (ValueError, FileNotFoundError) as exc:
@@ -47,14 +54,21 @@ def load_data(cfg: TrainConfig) -> SftData:
 @dataclass(frozen=True)
 class RunInputs:
     """What a run needs before any torch or Megatron: the data-parallel size, the planner config, the
-    samples and their lengths."""
+    samples and their lengths, and what a step draws: ``units`` (samples, or GRPO groups) of which
+    ``batch_units`` per step."""
 
     dp: int
     step_config: StepPlanConfig
-    data: SftData
+    data: SftData | RolloutData
     lengths: list[int]
     shape: ModelShape
     resume: Path | None
+    units: int
+    batch_units: int
+
+    def sample_ids(self, unit_ids: list[int]) -> list[int]:
+        """The samples of the drawn units (a GRPO group's responses together)."""
+        return self.data.indices_of(unit_ids) if isinstance(self.data, RolloutData) else unit_ids
 
 
 def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> RunInputs:
@@ -75,8 +89,25 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     lengths = [len(s) for s in data.samples]
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
-    GlobalBatchSampler(len(lengths), cfg.training.global_batch_size, cfg.training.seed)  # batch <= data set
-    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume)
+    if isinstance(data, RolloutData) and cfg.grpo.keep_groups_together:
+        _check_groups_fit(step_config, data, lengths)
+    if isinstance(data, RolloutData):
+        units, batch_units = len(data.groups), cfg.grpo.num_prompts_per_step  # checked by load_rollout_data
+    else:
+        units, batch_units = len(lengths), cfg.training.global_batch_size
+        GlobalBatchSampler(units, batch_units, cfg.training.seed)  # batch <= data set
+    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
+                     units=units, batch_units=batch_units)  # fmt: skip
+
+
+def _check_groups_fit(step_config: StepPlanConfig, data: RolloutData, lengths: list[int]) -> None:
+    """Every group must fit one micro-batch of the log-prob pass (grpo.keep_groups_together)."""
+    key = f"sequence_packing.{step_config.budget(forward_only=True)[0]}"
+    try:
+        step_config.check_groups_fit(lengths, [r.group_id for r in data.rollouts], forward_only=True, key=key)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (grpo.keep_groups_together=true keeps each group in one micro-batch of the "
+                          "log-prob pass; set it to false to let groups split.)") from None  # fmt: skip
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
@@ -92,7 +123,7 @@ def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
             )
 
 
-def _check_vocab(cfg: TrainConfig, data: SftData, shape: ModelShape) -> None:
+def _check_vocab(cfg: TrainConfig, data: SftData | RolloutData, shape: ModelShape) -> None:
     largest = max(int(s.tokens.max()) for s in data.samples)
     if largest >= shape.vocab_size:
         raise ConfigError(
@@ -105,24 +136,23 @@ def _check_vocab(cfg: TrainConfig, data: SftData, shape: ModelShape) -> None:
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns a summary with the step losses (the same on every rank)."""
     inputs = prepare_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    step_config, data, lengths = inputs.step_config, inputs.data, inputs.lengths
-    sampler = GlobalBatchSampler(len(data.samples), cfg.training.global_batch_size, cfg.training.seed)
-    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": step_config.mode, "stopped_at": None}
+    sampler = GlobalBatchSampler(inputs.units, inputs.batch_units, cfg.training.seed)
+    summary = {"losses": [], "steps": [], "sample_ids": [], "mode": inputs.step_config.mode, "stopped_at": None}
     with device_context(default_device()):
         setup = setup_training(cfg, inputs.shape)
-        _announce(cfg, setup, data, step_config.mode)
+        _announce(cfg, setup, inputs.data, inputs.step_config.mode)
         summary["rank"] = setup.rank
-        checkpointer = Checkpointer(cfg, setup.rank, setup.world_size, data_fingerprint(data.samples))
+        extra = inputs.data.fingerprint_extra() if isinstance(inputs.data, RolloutData) else None
+        checkpointer = Checkpointer(cfg, setup.rank, setup.world_size, data_fingerprint(inputs.data.samples, extra))
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
+        take_step = _grpo_steps(cfg, inputs, setup) if cfg.algorithm == "grpo" else _sft_steps(cfg, inputs, setup)
         metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.device)
         for step in range(start + 1, cfg.training.steps + 1):
-            batch_ids = sampler.next_batch()
-            plan = plan_step([lengths[i] for i in batch_ids], step_config)
-            samples = [data.samples[i] for i in batch_ids]
-            outcome = train_step(setup, samples, plan, normalization=cfg.training.loss_normalization)
-            metrics.log_step(step, plan, outcome, batch_ids)
+            batch_ids = inputs.sample_ids(sampler.next_batch())
+            plan, outcome, extra_metrics = take_step(batch_ids)
+            metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
             summary["losses"].append(outcome.result.loss)
             summary["steps"].append(step)
             summary["sample_ids"].append(batch_ids)
@@ -137,6 +167,36 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.training.export_dir and summary["stopped_at"] is None:
         _export_at_end(cfg, checkpointer, setup.rank)
     return summary
+
+
+def _sft_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
+    """SFT: ``take_step(sample_ids) -> (plan, StepOutcome, extra metrics)`` with the NLL."""
+
+    def take_step(batch_ids: list[int]):
+        plan = plan_step([inputs.lengths[i] for i in batch_ids], inputs.step_config)
+        samples = [inputs.data.samples[i] for i in batch_ids]
+        return plan, train_step(setup, samples, plan, normalization=cfg.training.loss_normalization), None
+
+    return take_step
+
+
+def _grpo_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
+    """GRPO: ``take_step(rollout_ids)`` runs `rl_step` on those rollouts (whole groups). The reference
+    policy is built once, from the policy's starting weights, only when the KL penalty needs it."""
+    from .rl_step import build_reference_model, rl_step
+
+    reference = None
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        reference = build_reference_model(cfg, inputs.shape, setup.device)
+
+    def take_step(batch_ids: list[int]):
+        rollouts = [inputs.data.rollouts[i] for i in batch_ids]
+        result = rl_step(setup, reference, rollouts, inputs.step_config, loss=cfg.loss_fn, grpo=cfg.grpo)
+        extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
+        extra.update(logprob_pass_s=result.logprob_seconds, train_pass_s=result.train_seconds)
+        return result.plan, result.outcome, extra
+
+    return take_step
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:
@@ -159,26 +219,34 @@ def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> N
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _announce(cfg: TrainConfig, setup, data: SftData, mode: str) -> None:
+def _announce(cfg: TrainConfig, setup, data: SftData | RolloutData, mode: str) -> None:
     groups = setup.groups
     if setup.rank == 0:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         log.info("rank %d/%d on %s; data: %s", setup.rank, setup.world_size, setup.device, json.dumps(data.info))
     print(
         f"[rank {setup.rank}/{setup.world_size}] host={os.uname().nodename} dp={groups.dp_rank}/{groups.dp_size} "
-        f"cp={groups.cp_rank}/{groups.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode}",
+        f"cp={groups.cp_rank}/{groups.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode} "
+        f"algorithm={cfg.algorithm}",
         flush=True,
     )
 
 
 def dry_run(cfg: TrainConfig) -> dict:
-    """Validate for the config's cluster size and plan the first global batch; no GPU, no torch."""
+    """Validate for the config's cluster size and plan the first global batch; no GPU, no torch. A GRPO
+    config without ``grpo.rollouts`` is validated up to the data (there is no batch to plan)."""
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    inputs = prepare_run(cfg, world, dry_run=True)
-    sampler = GlobalBatchSampler(len(inputs.lengths), cfg.training.global_batch_size, cfg.training.seed)
-    batch = [inputs.lengths[i] for i in sampler.next_batch()]
-    plan = plan_step(batch, inputs.step_config)
     par = cfg.parallel
+    if cfg.algorithm == "grpo" and not cfg.grpo.rollouts:
+        dp = validate_layout(cfg, world)
+        plan_config(cfg, dp)
+        layout = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "dp": dp, "sequence_parallel": par.sequence_parallel}
+        note = "grpo.rollouts is not set: layout and config checked; set it to plan the first step"
+        return {"world_size": world, "layout": layout, "algorithm": "grpo", "first_global_batch": None, "note": note}
+    inputs = prepare_run(cfg, world, dry_run=True)
+    sampler = GlobalBatchSampler(inputs.units, inputs.batch_units, cfg.training.seed)
+    batch = [inputs.lengths[i] for i in inputs.sample_ids(sampler.next_batch())]
+    plan = plan_step(batch, inputs.step_config)  # the training pass (GRPO: groups may split there)
     return {
         "world_size": world,
         "layout": {
@@ -188,6 +256,7 @@ def dry_run(cfg: TrainConfig) -> dict:
             "dp": inputs.dp,
             "sequence_parallel": par.sequence_parallel,
         },
+        "algorithm": cfg.algorithm,
         "mode": inputs.step_config.mode,
         "row_capacity_tokens": plan.row_capacity,
         "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r) // par.cp,

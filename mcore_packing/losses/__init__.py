@@ -7,10 +7,23 @@ packing, dynamic batching and any TP/PP/CP/DP layout.
   ratio_clip_c, reference_policy_kl_penalty with the k1/k3 estimators, token_level_loss, importance
   sampling correction against generation log-probs) and its per-step metrics.
 - `dpo`: the DPO loss on a (chosen, rejected) pair, for `run_step(group_loss=...)`.
-- `rollouts`: rollouts checked, GRPO advantages, samples for the policy step.
+- `pg_config`: `ClippedPGConfig`, its settings (no torch: the trainer's ``loss_fn`` config group).
+- `rollouts`: rollouts checked, GRPO advantages, samples for the policy step (numpy).
+
+The torch parts load on first use, so ``from mcore_packing.losses import ClippedPGConfig`` (a config's
+dry run on a login node) does not import torch.
 """
 
-from .dpo import dpo_pair_loss
-from .policy_gradient import ClippedPGConfig, ClippedPGLoss
+from .pg_config import KL_ESTIMATORS, ClippedPGConfig
 
-__all__ = ["ClippedPGConfig", "ClippedPGLoss", "dpo_pair_loss"]
+__all__ = ["KL_ESTIMATORS", "ClippedPGConfig", "ClippedPGLoss", "dpo_pair_loss"]
+
+_TORCH_PARTS = {"ClippedPGLoss": "policy_gradient", "dpo_pair_loss": "dpo"}
+
+
+def __getattr__(name: str):
+    if name in _TORCH_PARTS:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_TORCH_PARTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

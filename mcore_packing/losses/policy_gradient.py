@@ -16,42 +16,14 @@ sequences (the sample returns its token mean; `run_step` divides by the global s
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from ..validators import require_choice
+from .pg_config import ClippedPGConfig
 
-__all__ = ["KL_ESTIMATORS", "ClippedPGConfig", "ClippedPGLoss"]
+__all__ = ["ClippedPGLoss"]
 
-KL_ESTIMATORS = ("k1", "k3")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ClippedPGConfig:
-    """NeMo-RL's ``loss_fn`` keys (ratio_clip_min/max are distances from 1)."""
-
-    ratio_clip_min: float = 0.2
-    ratio_clip_max: float = 0.2
-    ratio_clip_c: float | None = None  # dual clip (> 1), for negative advantages
-    reference_policy_kl_penalty: float = 0.0
-    kl_estimator: str = "k3"
-    token_level_loss: bool = True
-    use_importance_sampling_correction: bool = False
-
-    def __post_init__(self):
-        for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0 or value != value:
-                raise ValueError(f"{name}={value!r} must be a number >= 0.")
-        if self.ratio_clip_c is not None and not self.ratio_clip_c > 1:
-            raise ValueError(f"ratio_clip_c={self.ratio_clip_c!r} must be > 1 (or None for no dual clip).")
-        require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-
-    @property
-    def normalization(self) -> str:
-        """The `run_step` normalization that makes the sample values below a global mean."""
-        return "token_mean" if self.token_level_loss else "sequence_mean"
+KL = torch.Tensor | None  # the per-token KL estimate to the reference, when the KL penalty is on
 
 
 class ClippedPGLoss:
@@ -62,9 +34,9 @@ class ClippedPGLoss:
     position), ``old_logprobs[i]`` (the policy's log-probs before this step, one per next-token position
     as `compute_logprobs` returns them), ``reference_logprobs[i]`` (needed with a KL penalty) and
     ``generation_logprobs[i]`` (needed with the importance sampling correction). ``mask`` selects the
-    response tokens. `metrics` sums the clipped tokens, approximate KL (k3 of old vs new) and ratio over
-    the tokens this rank computed the loss of (every CP rank sees all of its samples; the caller reduces
-    over DP and divides by ``tokens``).
+    response tokens. `metrics` sums the clipped tokens, approximate KL (k3 of old vs new), ratio and the
+    KL estimate to the reference (with a KL penalty) over the tokens this rank computed the loss of
+    (every CP rank sees all of its samples; the caller reduces over DP and divides by ``tokens``).
     """
 
     def __init__(
@@ -85,15 +57,15 @@ class ClippedPGLoss:
         self.old = old_logprobs
         self.reference = reference_logprobs
         self.generation = generation_logprobs
-        self.metrics = {"tokens": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ratio": 0.0}
+        self.metrics = {"tokens": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ratio": 0.0, "reference_kl": 0.0}
 
     def _row(self, rows: Sequence, sample_id: int, like: torch.Tensor) -> torch.Tensor:
         row = torch.as_tensor(rows[sample_id], dtype=torch.float32, device=like.device).reshape(-1)
         return row[: like.numel()]
 
-    def per_token(self, sample_id: int, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss of every next-token position of one sample (before masking), and the log of the
-        ratio to the old policy there."""
+    def per_token(self, sample_id: int, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KL]:
+        """The loss of every next-token position of one sample (before masking), the log of the ratio to
+        the old policy there, and the KL estimate to the reference (None without a KL penalty)."""
         cfg = self.config
         lp = logprobs.float()
         old = self._row(self.old, sample_id, lp)
@@ -105,25 +77,28 @@ class ClippedPGLoss:
         loss = torch.maximum(-advantage * ratio, -advantage * clipped)
         if cfg.ratio_clip_c is not None:
             loss = torch.where(advantage < 0, torch.minimum(loss, -advantage * cfg.ratio_clip_c), loss)
+        kl = None
         if cfg.reference_policy_kl_penalty > 0:
             log_ratio = self._row(self.reference, sample_id, lp) - lp
             kl = torch.exp(log_ratio) - log_ratio - 1 if cfg.kl_estimator == "k3" else -log_ratio
             loss = loss + cfg.reference_policy_kl_penalty * kl
         if cfg.use_importance_sampling_correction:
             loss = loss * torch.exp(old - self._row(self.generation, sample_id, lp))
-        return loss, log_ratio_old
+        return loss, log_ratio_old, kl
 
     def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         weights = mask.float()
-        per_token, log_ratio = self.per_token(sample_id, logprobs)
+        per_token, log_ratio, kl = self.per_token(sample_id, logprobs)
         loss = (per_token * weights).sum()
-        self._record(log_ratio.detach(), weights)
+        self._record(log_ratio.detach(), None if kl is None else kl.detach(), weights)
         return loss if self.config.token_level_loss else loss / weights.sum().clamp_min(1)
 
-    def _record(self, log_ratio: torch.Tensor, weights: torch.Tensor) -> None:
+    def _record(self, log_ratio: torch.Tensor, kl: torch.Tensor | None, weights: torch.Tensor) -> None:
         ratio = torch.exp(log_ratio)
         outside = (ratio < 1 - self.config.ratio_clip_min) | (ratio > 1 + self.config.ratio_clip_max)
         self.metrics["tokens"] += float(weights.sum())
         self.metrics["clipped"] += float((outside.float() * weights).sum())
         self.metrics["approx_kl"] += float(((torch.exp(-log_ratio) + log_ratio - 1) * weights).sum())
         self.metrics["ratio"] += float((ratio * weights).sum())
+        if kl is not None:
+            self.metrics["reference_kl"] += float((kl * weights).sum())

@@ -143,7 +143,7 @@ def plan_step(
     capacity = config.row_capacity(forward_only)
     padded = config.padded_lengths(lengths)
     model = config.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
-    units = _units(groups, lengths.size, padded, capacity, config)
+    units = _units(groups, lengths, config, forward_only)
     assignment = None
     if config.mode == "packing":
         unit_bins, items = _plan_packing(padded, capacity, config, units, model)
@@ -223,26 +223,19 @@ def micro_batch_cost(padded_lengths, shape: tuple[int, int], mode: str, cp_size:
     return rows * float(model.sequence_cost([width], cp_size)[0]) + model.per_microbatch
 
 
-def _units(groups, n, padded, capacity, config) -> list[list[int]] | None:
+def _units(groups, lengths: np.ndarray, config: StepPlanConfig, forward_only: bool) -> list[list[int]] | None:
     """Samples grouped by id (first-appearance order), or None without groups."""
     if groups is None:
         return None
     groups = list(groups)
-    if len(groups) != n:
-        raise ValueError(f"groups has {len(groups)} entries for {n} samples; give one group id per sample.")
+    if len(groups) != lengths.size:
+        raise ValueError(f"groups has {len(groups)} entries for {lengths.size} samples; give one group id per sample.")
     if config.mode != "packing":
         raise ValueError("groups keep samples together in one packed row: they need mode='packing'.")
+    config.check_groups_fit(lengths, groups, forward_only=forward_only)
     members: dict = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
-    for g, idx in members.items():
-        size = int(padded[idx].sum())
-        if size > capacity:
-            raise ValueError(
-                f"group {g!r} has {len(idx)} samples and {size} padded tokens, more than one micro-batch holds "
-                f"({capacity}). Raise train_mb_tokens (x cp) to at least {-(-size // config.cp_size)}, or split "
-                "the group upstream."
-            )
     return list(members.values())
 
 

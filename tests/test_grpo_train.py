@@ -1,0 +1,163 @@
+"""``algorithm=grpo`` through the train command: rollouts from JSONL, whole groups per step, the RL metrics,
+the same losses on other layouts and modes, exact resume, and clear errors for bad rollouts.
+
+The clipped loss itself is checked against a plain-torch reference in `test_pg_packed.py`; here the
+checks are of the run around it, against facts computed from the rollouts file independently.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import numpy as np
+import pytest
+
+from .rl_workers import make_rollouts
+from .test_train import metrics, train
+
+GRPO = [
+    "algorithm=grpo",
+    "grpo.num_prompts_per_step=3",
+    "grpo.num_generations_per_prompt=4",
+    "grpo.keep_groups_together=true",
+    "loss_fn.reference_policy_kl_penalty=0.05",
+    "loss_fn.ratio_clip_max=0.28",
+    "optimizer.lr_warmup_iters=0",
+    "optimizer.lr_decay_style=constant",  # a schedule that does not depend on training.steps (resume extends it)
+    "optimizer.lr=0.003",
+    "sequence_packing.train_mb_tokens=96",
+    "sequence_packing.logprob_mb_tokens=160",
+    "dynamic_batching.train_mb_tokens=96",
+]
+
+
+@pytest.fixture(scope="module")
+def rollouts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("rollouts") / "rollouts.jsonl"
+    rows = [asdict(r) for r in make_rollouts(groups=8, per_group=4)]
+    for row in rows:
+        row["group_id"] = f"prompt-{row['group_id']}"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path, rows
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, rollouts_file):
+    run_dir = tmp_path_factory.mktemp("grpo") / "straight"
+    proc = train(run_dir, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return metrics(run_dir)
+
+
+def test_each_step_takes_whole_groups_and_logs_the_rl_metrics(straight_run, rollouts_file):
+    _, rows = rollouts_file
+    assert [r["step"] for r in straight_run] == [1, 2, 3, 4]
+    for record in straight_run:
+        ids = record["sample_ids"]
+        assert len(ids) == 12  # 3 prompts x 4 responses
+        groups = {rows[i]["group_id"] for i in ids}
+        assert len(groups) == 3 and all(sum(r["group_id"] == g for r in rows) == 4 for g in groups)
+        assert record["mean_reward"] == pytest.approx(np.mean([rows[i]["reward"] for i in ids]), abs=1e-12)
+        assert 0.0 <= record["clip_fraction"] <= 1.0 and record["approx_kl"] >= 0.0
+        assert record["mean_ratio"] == pytest.approx(1.0, abs=1e-5)  # one update per batch: on-policy
+        # -log p of the sampled tokens under a fresh model over 128 ids is about log(128) = 4.85
+        assert 4.0 < record["entropy_estimate"] < 6.0
+        assert record["logprob_pass_s"] > 0 and record["train_pass_s"] > 0
+    assert straight_run[0]["reference_kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at step 1
+    assert all(r["reference_kl"] > 1e-6 for r in straight_run[1:])  # the updates moved the policy away
+
+
+def test_resume_continues_with_the_same_losses(tmp_path, straight_run, rollouts_file):
+    run_dir = tmp_path / "resumed"
+    rollouts = f"grpo.rollouts={rollouts_file[0]}"
+    first = train(run_dir, *GRPO, rollouts, "training.steps=2")
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = train(run_dir, *GRPO, rollouts, "training.steps=4", "resume=true")
+    assert second.returncode == 0, second.stderr[-3000:]
+    resumed = {r["step"]: r for r in metrics(run_dir)}
+    for expected in straight_run[2:]:
+        got = resumed[expected["step"]]
+        assert got["sample_ids"] == expected["sample_ids"]
+        assert abs(got["loss"] - expected["loss"]) <= 1e-6 * max(1.0, abs(expected["loss"])), (got, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["parallel.cp=2"],
+        ["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "grpo.keep_groups_together=false"],
+    ],
+    ids=["packed-cp2", "dynamic-dp2"],
+)
+def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_file, layout):
+    proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", *layout, torchrun=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
+        assert abs(got["loss"] - expected["loss"]) <= 1e-5 * max(1.0, abs(expected["loss"])), (got, expected)
+        assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
+
+
+def _write(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return f"grpo.rollouts={path}"
+
+
+@pytest.mark.parametrize(
+    ("change", "overrides", "fragment"),
+    [
+        (lambda rows: rows[0].update(response_tokens=[]), [], "rollout 0 (group 'prompt-0') has an empty response"),
+        (lambda rows: rows[5].update(reward=float("nan")), [], "rollout 5 (group 'prompt-1') has reward nan"),
+        (lambda rows: rows[2].update(generation_logprobs=[-1.0]), [], "rollout 2 has 1 generation log-probs for"),
+        (lambda rows: rows.pop(1), [], "grpo.num_generations_per_prompt=4, but group(s) [('prompt-0', 3)]"),
+        (lambda rows: rows[0].pop("reward"), [], ":1 lacks ['reward']"),
+        (None, ["grpo.num_prompts_per_step=9"], "grpo.num_prompts_per_step=9 is more than the 8 groups"),
+        (None, ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"], "grpo.keep_groups_together=true"),
+        (None, ["sequence_packing.logprob_mb_tokens=96"], "Raise sequence_packing.logprob_mb_tokens (x cp) to"),
+        (None, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c=0.5 must be > 1"),
+        (None, ["loss_fn.kl_estimator=k2"], "loss_fn.kl_estimator must be one of k1, k3"),
+        (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo"),
+    ],
+)
+def test_bad_rollouts_and_settings_exit_2_naming_the_fix(tmp_path, rollouts_file, change, overrides, fragment):
+    rows = [dict(r) for r in rollouts_file[1]]
+    if change is not None:
+        change(rows)
+    proc = train(tmp_path / "run", *GRPO, _write(tmp_path / "r.jsonl", rows), *overrides, "--dry-run")
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert fragment in proc.stderr, proc.stderr[-2000:]
+
+
+def test_training_without_rollouts_names_the_key(tmp_path):
+    proc = train(tmp_path, *GRPO)
+    assert proc.returncode == 2 and "algorithm=grpo needs grpo.rollouts=/path/rollouts.jsonl" in proc.stderr
+
+
+def test_a_grpo_recipe_dry_run_plans_rollouts_and_checks_without_them(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = []
+    for g in range(64):
+        prompt = rng.integers(0, 152_000, int(rng.integers(50, 400))).tolist()
+        for _ in range(8):
+            length = int(min(15_000, rng.zipf(1.6) * 40 + 10))  # most short, a few near the limit
+            rows.append({"prompt_tokens": prompt, "response_tokens": rng.integers(0, 152_000, length).tolist(),
+                         "reward": float(rng.integers(0, 2)), "group_id": g})  # fmt: skip
+    from .test_train import ROOT
+
+    command = ["--recipe", "qwen2_7b_grpo_cp", "--dry-run", "--gpus-per-node", "8"]
+    proc = _cli(ROOT, [*command, _write(tmp_path / "r.jsonl", rows)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout[: proc.stdout.rindex("}") + 1])
+    assert report["algorithm"] == "grpo" and report["layout"]["cp"] == 2
+    assert report["first_global_batch"]["samples"] == 512 and report["data"]["groups"] == 64
+    bare = _cli(ROOT, command)
+    assert bare.returncode == 0 and "grpo.rollouts is not set" in bare.stdout
+
+
+def _cli(root, args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "mcore_packing", "train", *args], cwd=root, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
