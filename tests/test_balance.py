@@ -165,6 +165,32 @@ def test_plans_never_split_groups_never_exceed_the_cap_and_keep_equal_counts(bat
     assert sorted(plan.sample_order().tolist()) == list(range(len(lengths)))
 
 
+@settings(max_examples=80, deadline=None)
+@given(grouped_batches(), st.integers(1, 3), st.sampled_from(["cost", "round_robin"]))
+def test_dynamic_batches_keep_groups_whole_under_the_budget(batch, dp, balance):
+    lengths, groups = batch
+    assume(len(set(groups)) % dp == 0)  # then equal counts per rank are always reachable between groups
+    config = StepPlanConfig(mode="dynamic", train_mb_tokens=200, dp_size=dp, balance=balance)
+    plan = plan_step(lengths, config, groups=groups)
+    assert len({len(rank) for rank in plan.micro_batches}) == 1
+    where = {}
+    for r, rank in enumerate(plan.micro_batches):
+        for k, mb in enumerate(rank):
+            rows, width = mb.shape
+            assert rows == len(mb.sample_indices) and rows * width <= config.row_capacity()
+            assert width == max(config.padded_lengths(np.asarray([lengths[i] for i in mb.sample_indices])))
+            for i in mb.sample_indices:
+                where.setdefault(groups[i], set()).add((r, k))
+    assert all(len(places) == 1 for places in where.values())  # every group in exactly one micro-batch
+    assert sorted(plan.sample_order().tolist()) == list(range(len(lengths)))
+
+
+def test_dynamic_groups_match_ungrouped_plans_when_every_group_is_one_sample():
+    lengths = [50, 7, 33, 33, 120, 64, 1, 90, 18]
+    config = StepPlanConfig(mode="dynamic", train_mb_tokens=256, dp_size=2)
+    assert plan_step(lengths, config, groups=list(range(9))).micro_batches == plan_step(lengths, config).micro_batches
+
+
 def test_cost_balance_beats_round_robin_on_long_tailed_32k():
     from mcore_packing.data import sample_lengths
 
@@ -182,7 +208,9 @@ def test_cost_balance_beats_round_robin_on_long_tailed_32k():
     "kwargs, plan_kwargs, fragment",
     [
         ({"train_mb_tokens": 50}, {"groups": [0, 0, 1]}, "group 0 has 2 samples and 60 padded tokens"),
-        ({"mode": "dynamic"}, {"groups": [0, 0, 1]}, "need mode='packing'"),
+        ({"mode": "padded"}, {"groups": [0, 0, 1]}, "need mode='packing' or 'dynamic'"),
+        ({"mode": "dynamic", "train_mb_tokens": 50}, {"groups": [0, 0, 1]}, "60 tokens as 2 rows of 30"),
+        ({"mode": "dynamic", "dp_size": 2}, {"groups": [0, 0, 0]}, "only 1 groups in the global batch"),
         ({}, {"groups": [0, 1]}, "groups has 2 entries for 3 samples"),
         ({"cost_budget": 1.0}, {}, "below the costliest single sequence"),
     ],

@@ -1,7 +1,8 @@
 """A DPO-style pairwise loss on packed (chosen, rejected) pairs equals the unpacked reference.
 
 Pairs share a prompt (masked out of the loss) and carry a group id, so the planner keeps each pair in
-one micro-batch. The loss runs on the unpacked per-sequence log-probs (`run_step(group_loss=...)`).
+one micro-batch: a packed THD row, or (dynamic batching) a BSHD micro-batch of similar lengths. The loss
+runs on the unpacked per-sequence log-probs (`run_step(group_loss=...)`).
 Reference: Megatron's stock model, one sequence per forward, DPO in plain torch.
 """
 
@@ -44,6 +45,9 @@ def test_packed_pairs_on_two_ranks_match_unpacked_dpo(reference):
         {"mode": "packing", "dpo": True, "train_mb_tokens": 64},  # DP=2
         {"mode": "packing", "dpo": True, "cp": 2, "train_mb_tokens": 64},
         {"mode": "packing", "dpo": True, "train_mb_tokens": 64, "balance": "round_robin"},
+        {"mode": "dynamic", "dpo": True, "train_mb_tokens": 64},  # pairs whole in BSHD micro-batches, DP=2
+        {"mode": "dynamic", "dpo": True, "cp": 2, "train_mb_tokens": 64},
+        {"mode": "dynamic", "dpo": True, "pp": 2, "variable_seq_lengths": True, "train_mb_tokens": 64},
         {"mode": "packing", "dpo": True, "train_mb_tokens": 64, "wrong_pairs": True},  # negative control
     ]
     results = run_distributed(
@@ -61,3 +65,6 @@ def test_packed_pairs_on_two_ranks_match_unpacked_dpo(reference):
         assert abs(result["loss"] - ref["loss"]) <= 1e-6 * abs(ref["loss"]), (result["loss"], ref["loss"])
         errors = grad_errors(result["grads"], ref["grads"])
         assert max(errors.values()) <= 1e-5, (result["config"], max(errors.values()))
+        layout = {k: result["config"].get(k, 1) for k in ("cp", "pp")}
+        loss_error = abs(result["loss"] - ref["loss"]) / abs(ref["loss"])
+        print(f"{result['config']['mode']} {layout}: loss {loss_error:.1e}, grads {max(errors.values()):.1e}")

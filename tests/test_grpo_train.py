@@ -87,7 +87,9 @@ def test_resume_continues_with_the_same_losses(tmp_path, straight_run, rollouts_
     "layout",
     [
         ["parallel.cp=2"],
-        ["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "grpo.keep_groups_together=false"],
+        # groups whole in the BSHD micro-batches of the log-prob pass: two groups of 4 rows x <= 41 tokens fit
+        # 384, so 3 groups make 2 micro-batches, one per DP rank
+        ["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "dynamic_batching.logprob_mb_tokens=384"],
     ],
     ids=["packed-cp2", "dynamic-dp2"],
 )
@@ -113,8 +115,9 @@ def _write(path, rows):
         (lambda rows: rows.pop(1), [], "grpo.num_generations_per_prompt=4, but group(s) [('prompt-0', 3)]"),
         (lambda rows: rows[0].pop("reward"), [], ":1 lacks ['reward']"),
         (None, ["grpo.num_prompts_per_step=9"], "grpo.num_prompts_per_step=9 is more than the 8 groups"),
-        (None, ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"], "grpo.keep_groups_together=true"),
+        (None, ["sequence_packing.enabled=false"], "grpo.keep_groups_together=true keeps a group in one micro-batch"),
         (None, ["sequence_packing.logprob_mb_tokens=96"], "Raise sequence_packing.logprob_mb_tokens (x cp) to"),
+        (None, ["grpo.num_prompts_per_step=1", "cluster.gpus_per_node=2"], "fewer than the 2 data-parallel ranks"),
         (None, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c=0.5 must be > 1"),
         (None, ["loss_fn.kl_estimator=k2"], "loss_fn.kl_estimator must be one of k1, k3"),
         (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo"),

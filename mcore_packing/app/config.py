@@ -292,7 +292,7 @@ class GRPOConfig:
     num_generations_per_prompt: int | None = None  # when set, every group must have exactly this many responses
     use_leave_one_out_baseline: bool = False  # baseline: the mean of the group's other rewards
     normalize_rewards: bool = True  # divide advantages by the group's reward standard deviation
-    keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass (packing)
+    keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass
 
     def __post_init__(self):
         _positive("grpo", self, "num_prompts_per_step")
@@ -346,10 +346,11 @@ class TrainConfig:
     def __post_init__(self):
         require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
         require_choice("algorithm", self.algorithm, ALGORITHMS, error=ConfigError)
-        if self.algorithm == "grpo" and self.grpo.keep_groups_together and not self.sequence_packing.enabled:
+        batched = self.sequence_packing.enabled or self.dynamic_batching.enabled
+        if self.algorithm == "grpo" and self.grpo.keep_groups_together and not batched:
             raise ConfigError(
-                "grpo.keep_groups_together=true keeps a group in one packed row: it needs sequence_packing.enabled="
-                "true. Set grpo.keep_groups_together=false to use dynamic batching."
+                "grpo.keep_groups_together=true keeps a group in one micro-batch: it needs sequence_packing.enabled="
+                "true or dynamic_batching.enabled=true. Set grpo.keep_groups_together=false for padded batches."
             )
 
 

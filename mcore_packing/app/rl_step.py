@@ -5,7 +5,7 @@
     training pass  -> plan_step(train_mb_tokens) -> run_step(sample_loss=ClippedPGLoss) -> optimizer, schedule
 
 Groups (the responses to one prompt) share a micro-batch of the log-prob pass when ``keep_groups_together``
-(packing); the training pass packs freely (the loss is per sample, its normalization global). The
+(packing or dynamic batching); the training pass packs freely (the loss is per sample, its normalization global). The
 settings are the trainer's ``loss_fn`` (`losses.ClippedPGConfig`) and ``grpo`` (`config.GRPOConfig`)
 groups; `trainer.train` runs this step per global batch of groups with ``algorithm=grpo``. The reference
 model is built once (`build_reference_model`: the policy's shape and layout, the same starting weights,
@@ -91,7 +91,7 @@ def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], 
     group_ids = [r.group_id for r in rollouts]
     advantages = grpo_advantages([r.reward for r in rollouts], group_ids, leave_one_out=grpo.use_leave_one_out_baseline,
                                  normalize_std=grpo.normalize_rewards)  # fmt: skip
-    keep = _kept_groups(grpo, plan_config, group_ids)
+    keep = group_ids if grpo.keep_groups_together else None  # plan_step refuses groups in padded mode
     start = time.perf_counter()
     logprob_plan = plan_step(lengths, plan_config, forward_only=True, groups=keep)
     old = compute_logprobs(setup.model, samples, logprob_plan, setup.groups, device=setup.device)
@@ -108,18 +108,6 @@ def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], 
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
     return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds,
                         train_plan, outcome)  # fmt: skip
-
-
-def _kept_groups(grpo: GRPOConfig, plan_config: StepPlanConfig, group_ids: list):
-    """The group ids to keep in one micro-batch, or None; grouping needs packed rows."""
-    if not grpo.keep_groups_together:
-        return None
-    if plan_config.mode != "packing":
-        raise ValueError(
-            f"keep_groups_together keeps a group in one packed row, but the plan's mode is {plan_config.mode!r}: "
-            "use sequence packing, or set keep_groups_together=False."
-        )
-    return group_ids
 
 
 def _entropy(old_logprobs, samples) -> float:

@@ -90,7 +90,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
     if isinstance(data, RolloutData) and cfg.grpo.keep_groups_together:
-        _check_groups_fit(step_config, data, lengths)
+        _check_groups_fit(step_config, data, lengths, cfg.grpo.num_prompts_per_step)
     if isinstance(data, RolloutData):
         units, batch_units = len(data.groups), cfg.grpo.num_prompts_per_step  # checked by load_rollout_data
     else:
@@ -100,9 +100,16 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
                      units=units, batch_units=batch_units)  # fmt: skip
 
 
-def _check_groups_fit(step_config: StepPlanConfig, data: RolloutData, lengths: list[int]) -> None:
-    """Every group must fit one micro-batch of the log-prob pass (grpo.keep_groups_together)."""
-    key = f"sequence_packing.{step_config.budget(forward_only=True)[0]}"
+def _check_groups_fit(step_config: StepPlanConfig, data: RolloutData, lengths: list[int], prompts: int) -> None:
+    """Every group must fit one micro-batch of the log-prob pass, and every DP rank needs a group of its
+    own (grpo.keep_groups_together)."""
+    if prompts < step_config.dp_size:
+        raise ConfigError(
+            f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.dp_size} data-parallel ranks: with "
+            "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
+        )
+    section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
+    key = f"{section}.{step_config.budget(forward_only=True)[0]}"
     try:
         step_config.check_groups_fit(lengths, [r.group_id for r in data.rollouts], forward_only=True, key=key)
     except ValueError as exc:

@@ -245,7 +245,7 @@ def _check_schedule_config(plan: StepPlan, model_config) -> None:
 
 
 def _check_loss_options(plan: StepPlan, samples, sequence_loss, group_loss, group_ids, sample_loss) -> None:
-    """One per-unit loss at most; a group loss needs the plan's groups (packing: a group shares a row)."""
+    """One per-unit loss at most; a group loss needs the plan's groups (a group shares a micro-batch)."""
     given = [fn for fn in (sequence_loss, group_loss, sample_loss) if fn is not None]
     if len(given) > 1:
         raise ValueError("pass one of sequence_loss, group_loss and sample_loss.")

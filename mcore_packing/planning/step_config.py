@@ -167,20 +167,24 @@ class StepPlanConfig:
 
     def check_groups_fit(self, lengths, groups, *, forward_only: bool = False, key: str | None = None) -> None:
         """Raise ValueError when a group (samples that share a micro-batch: DPO pairs, GRPO responses to one
-        prompt) holds more padded tokens than one micro-batch; the message names the group, its size, the
-        budget's key (``key``, else the planner's name for it) and the smallest budget that holds it."""
+        prompt) needs more tokens than one micro-batch holds (packing: its padded lengths summed; dynamic:
+        its rows times its longest padded length); the message names the group, its size, the budget's key
+        (``key``, else the planner's name for it) and the smallest budget that holds it."""
         padded = self.padded_lengths(np.asarray(lengths, dtype=np.int64))
         capacity = self.row_capacity(forward_only)
         sizes: dict = {}
         for g, n in zip(groups, padded.tolist(), strict=True):
-            count, total = sizes.get(g, (0, 0))
-            sizes[g] = (count + 1, total + n)
-        group, (count, size) = max(sizes.items(), key=lambda item: item[1][1])
-        if size > capacity:
+            count, total, widest = sizes.get(g, (0, 0, 0))
+            sizes[g] = (count + 1, total + n, max(widest, n))
+        tokens = {g: total if self.mode == "packing" else count * widest for g, (count, total, widest) in sizes.items()}
+        group = max(tokens, key=tokens.get)
+        if tokens[group] > capacity:
+            count, _, widest = sizes[group]
+            how = "padded tokens" if self.mode == "packing" else f"tokens as {count} rows of {widest}"
             raise ValueError(
-                f"group {group!r} has {count} samples and {size} padded tokens, more than one micro-batch holds "
+                f"group {group!r} has {count} samples and {tokens[group]} {how}, more than one micro-batch holds "
                 f"({capacity}). Raise {key or self.budget(forward_only)[0]} (x cp) to at least "
-                f"{-(-size // self.cp_size)}, or split the group upstream."
+                f"{-(-tokens[group] // self.cp_size)}, or split the group upstream."
             )
 
     def budget(self, forward_only: bool = False) -> tuple[str, int]:

@@ -9,9 +9,9 @@ Modes (`StepPlanConfig.mode`):
   ``train_mb_tokens * cp`` tokens, the bin count a multiple of DP (groups kept whole; optionally under
   a per-row cost cap). With ``balance="cost"`` single sequences (or groups) then move between the rows
   of different ranks until the slowest rank's cost is near the mean (`rebalance`).
-- ``dynamic``: samples sorted by length (longest first) are cut into micro-batches of similar lengths
-  while ``rows * padded_length <= train_mb_tokens * cp``; micro-batches with the most rows are split
-  until their count is a multiple of DP.
+- ``dynamic``: samples (or groups, kept whole) sorted by length (longest first) are cut into micro-batches
+  of similar lengths while ``rows * padded_length <= train_mb_tokens * cp``; micro-batches with the most
+  rows are split (between groups) until their count is a multiple of DP.
 - ``padded``: the baseline most loaders use: ``padded_rows`` consecutive samples per micro-batch, each
   padded to its longest.
 
@@ -152,7 +152,7 @@ def plan_step(
         bins = [[i for u in b for i in items[u]] for b in unit_bins] if units is not None else unit_bins
         shapes = _row_shapes(bins, padded, capacity, config)
     elif config.mode == "dynamic":
-        bins, shapes = _plan_dynamic(lengths, padded, capacity, config)
+        bins, shapes = _plan_dynamic(lengths, padded, capacity, config, units)
     else:
         bins, shapes = _plan_padded(lengths, padded, config)
     real, costs = _bin_totals(bins, shapes, lengths, padded, config, model)
@@ -230,8 +230,8 @@ def _units(groups, lengths: np.ndarray, config: StepPlanConfig, forward_only: bo
     groups = list(groups)
     if len(groups) != lengths.size:
         raise ValueError(f"groups has {len(groups)} entries for {lengths.size} samples; give one group id per sample.")
-    if config.mode != "packing":
-        raise ValueError("groups keep samples together in one packed row: they need mode='packing'.")
+    if config.mode == "padded":
+        raise ValueError("groups keep samples together in one micro-batch: they need mode='packing' or 'dynamic'.")
     config.check_groups_fit(lengths, groups, forward_only=forward_only)
     members: dict = {}
     for i, g in enumerate(groups):
@@ -289,46 +289,63 @@ def _row_shapes(bins, padded, capacity, config) -> list[tuple[int, int]]:
     return [(1, int(r)) for r in rows]
 
 
-def _plan_dynamic(lengths, padded, capacity, config):
-    order = np.argsort(-lengths, kind="stable")
-    groups: list[list[int]] = []
+def _plan_dynamic(lengths, padded, capacity, config, units=None):
+    """Units (single samples, or whole groups) longest first, cut while ``rows * width <= capacity``."""
+    units = units if units is not None else [[i] for i in range(lengths.size)]
+    longest = np.asarray([lengths[u].max() for u in units])
+    widths = [int(padded[u].max()) for u in units]
+    batches: list[list[int]] = []
     current: list[int] = []
-    width = 0
-    for i in order.tolist():
-        w = max(width, int(padded[i]))
-        if current and (len(current) + 1) * w > capacity:
-            groups.append(current)
-            current, w = [], int(padded[i])
-        current.append(i)
-        width = w
-    groups.append(current)
-    return _split_until_divisible(groups, padded, config.dp_size, len(lengths))
+    rows = width = 0
+    for k in np.argsort(-longest, kind="stable").tolist():
+        w, r = max(width, widths[k]), rows + len(units[k])
+        if current and r * w > capacity:
+            batches.append(current)
+            current, w, r = [], widths[k], len(units[k])
+        current.append(k)
+        rows, width = r, w
+    batches.append(current)
+    return _as_bins(_split_until_divisible(batches, [len(u) for u in units], config.dp_size), units, padded)
 
 
 def _plan_padded(lengths, padded, config):
     """The baseline: ``padded_rows`` consecutive samples per micro-batch, padded to their longest."""
-    groups = [
-        list(range(lo, min(lo + config.padded_rows, len(lengths)))) for lo in range(0, len(lengths), config.padded_rows)
-    ]
-    return _split_until_divisible(groups, padded, config.dp_size, len(lengths))
+    n = lengths.size
+    batches = [list(range(lo, min(lo + config.padded_rows, n))) for lo in range(0, n, config.padded_rows)]
+    units = [[i] for i in range(n)]
+    return _as_bins(_split_until_divisible(batches, [1] * n, config.dp_size), units, padded)
 
 
-def _split_until_divisible(groups, padded, dp, num_samples):
-    """Split the micro-batches with the most rows until their count is a multiple of DP."""
-    if num_samples < -(-len(groups) // dp) * dp:
+def _split_until_divisible(batches: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:
+    """Split the micro-batches with the most rows (between units: ``rows[k]`` samples of unit ``k``) until
+    their count is a multiple of DP."""
+    need = -(-len(batches) // dp) * dp
+    if len(rows) < need:
+        what = "samples" if max(rows) == 1 else "groups"
         raise ValueError(
-            f"Cannot give {dp} data-parallel ranks the same number of micro-batches with only {num_samples} "
-            f"samples in the global batch (need at least {-(-len(groups) // dp) * dp})."
+            f"Cannot give {dp} data-parallel ranks the same number of micro-batches with only {len(rows)} "
+            f"{what} in the global batch (need at least {need})."
         )
-    heap = [(-len(g), k) for k, g in enumerate(groups)]
+    heap = [(-sum(rows[k] for k in b), i) for i, b in enumerate(batches) if len(b) > 1]
     heapq.heapify(heap)
-    while len(groups) % dp:
-        _, k = heapq.heappop(heap)
-        g = groups[k]
-        half = len(g) // 2
-        groups[k], extra = g[:half], g[half:]
-        groups.append(extra)
-        heapq.heappush(heap, (-len(groups[k]), k))
-        heapq.heappush(heap, (-len(extra), len(groups) - 1))
-    shapes = [(len(g), int(padded[np.asarray(g)].max())) for g in groups]
-    return groups, shapes
+    while len(batches) % dp:
+        if not heap:  # every micro-batch is one unit: splitting further would split a group
+            raise ValueError(
+                f"Cannot give {dp} data-parallel ranks the same number of micro-batches without splitting a group "
+                f"({len(batches)} micro-batches of one group each); put more groups in the global batch, or lower "
+                "the budget so that they spread."
+            )
+        _, i = heapq.heappop(heap)
+        b = batches[i]
+        batches[i], extra = b[: len(b) // 2], b[len(b) // 2 :]
+        batches.append(extra)
+        for k in (i, len(batches) - 1):
+            if len(batches[k]) > 1:
+                heapq.heappush(heap, (-sum(rows[u] for u in batches[k]), k))
+    return batches
+
+
+def _as_bins(batches: list[list[int]], units: list[list[int]], padded) -> tuple[list[list[int]], list[tuple]]:
+    """Micro-batches of units -> sample-index bins and their BSHD shapes ``(rows, longest padded)``."""
+    bins = [[i for k in b for i in units[k]] for b in batches]
+    return bins, [(len(b), int(padded[np.asarray(b)].max())) for b in bins]
