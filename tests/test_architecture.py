@@ -135,6 +135,7 @@ def test_planner_and_lower_layers_never_import_torch(tmp_path):
         with contextlib.redirect_stdout(io.StringIO()):
             code = main(["plan", "--lengths", {str(lengths)!r}, "--no-png", "--global-batch-size", "4", "--dp", "2"])
             code += main(["train", "--recipe", "llama3_8b_sft_packed", "--dry-run", "data.num_samples=200"])
+            code += main(["train", "--recipe", "qwen2_7b_grpo_cp", "--dry-run"])  # loss_fn / grpo groups
         print(json.dumps({{"code": code, "heavy": sorted(m for m in ("torch", "megatron") if m in sys.modules)}}))
         """
     )

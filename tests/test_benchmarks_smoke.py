@@ -40,6 +40,15 @@ def test_packing_speed_small(tmp_path):
     assert "speed-up" in proc.stdout
 
 
+def test_grpo_plan_small(tmp_path):
+    out = tmp_path / "grpo.json"
+    proc = run("benchmarks/grpo_plan.py", "--steps", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["pass"]: r for r in json.loads(out.read_text())["rows"]}
+    assert rows["training packing"]["time_vs_packing"] == 1.0
+    assert rows["training padded"]["computed_over_real"] > rows["training packing"]["computed_over_real"]
+
+
 @pytest.mark.multirank
 def test_step_throughput_quick():
     proc = run("benchmarks/step_throughput.py", "--quick")
