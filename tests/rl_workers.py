@@ -33,7 +33,9 @@ def make_rollouts(seed: int = 11, groups: int = 4, per_group: int = 4, vocab: in
     return out
 
 
-def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float):
+def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float, minibatches: int = 1, groups: int = 4,
+                   steps: int = 2):  # fmt: skip
+    """``steps`` GRPO steps on the rollouts of the first ``groups`` groups, from the seeded initial policy."""
     from mcore_packing.app.config import GRPOConfig, plan_config
     from mcore_packing.app.model_setup import default_device, device_context, setup_training
     from mcore_packing.app.rl_step import build_reference_model, rl_step
@@ -42,18 +44,20 @@ def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float):
 
     cfg = compose_config(None, [*SMALL, f"run_dir={root}"])
     shape = cfg.model.shape(128)
-    rollouts = make_rollouts()
+    rollouts = [r for r in make_rollouts() if r.group_id < groups]
     loss = ClippedPGConfig(reference_policy_kl_penalty=kl)
-    grouped = GRPOConfig(keep_groups_together=True)  # each group in one micro-batch of the log-prob pass
+    # each group in one micro-batch of the log-prob pass
+    grouped = GRPOConfig(keep_groups_together=True, num_minibatches=minibatches, num_prompts_per_step=groups)
     results = []
     with device_context(default_device()):
         setup = setup_training(cfg, shape)
         reference = build_reference_model(cfg, shape, setup.device)
         step_config = plan_config(cfg, setup.world_size // cfg.parallel.model_parallel_size, vocab_size=128)
-        for _ in range(2):
+        for _ in range(steps):
             r = rl_step(setup, reference, rollouts, step_config, loss=loss, grpo=grouped)
             results.append({"loss": r.loss, "metrics": r.metrics, "advantages": r.advantages,
-                            "logprob_seconds": r.logprob_seconds, "train_seconds": r.train_seconds})  # fmt: skip
+                            "logprob_seconds": r.logprob_seconds, "train_seconds": r.train_seconds,
+                            "minibatch_losses": r.minibatch_losses})  # fmt: skip
     return results
 
 

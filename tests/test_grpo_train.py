@@ -101,6 +101,19 @@ def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_
         assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
 
 
+def test_minibatches_are_optimizer_steps_of_the_lr_schedule(tmp_path, rollouts_file):
+    """3 GRPO steps x 2 minibatches = 6 optimizer steps: cosine decay over 6, so GRPO step 2 starts at
+    optimizer step 3 with lr 0.003 * (1 + cos(pi * 2 / 6)) / 2 (over 3 steps it would be a third of that)."""
+    overrides = ["grpo.num_minibatches=2", "optimizer.lr_decay_style=cosine", "training.steps=3"]
+    proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", *overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = metrics(tmp_path)
+    expected = [0.003 * (1 + np.cos(np.pi * k / 6)) / 2 for k in (0, 2, 4)]
+    assert [r["lr"] for r in records] == pytest.approx(expected, rel=1e-6)
+    assert all(r["microbatches_per_rank"] >= 2 for r in records)  # both minibatches' micro-batches
+    assert abs(records[0]["mean_ratio"] - 1) > 1e-6  # the second minibatch saw the first one's update
+
+
 def _write(path, rows):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return f"grpo.rollouts={path}"
@@ -118,6 +131,7 @@ def _write(path, rows):
         (None, ["sequence_packing.enabled=false"], "grpo.keep_groups_together=true keeps a group in one micro-batch"),
         (None, ["sequence_packing.logprob_mb_tokens=96"], "Raise sequence_packing.logprob_mb_tokens (x cp) to"),
         (None, ["grpo.num_prompts_per_step=1", "cluster.gpus_per_node=2"], "fewer than the 2 data-parallel ranks"),
+        (None, ["grpo.num_minibatches=4"], "grpo.num_minibatches=4 is more than grpo.num_prompts_per_step=3"),
         (None, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c=0.5 must be > 1"),
         (None, ["loss_fn.kl_estimator=k2"], "loss_fn.kl_estimator must be one of k1, k3"),
         (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo"),

@@ -80,6 +80,31 @@ def test_rl_step_first_update_is_on_policy_and_exact(tmp_path, world):
 
 
 @pytest.mark.slow
+def test_minibatches_take_one_optimizer_step_per_run_of_groups(tmp_path):
+    """Two minibatches: the first (groups 0 and 1) is exactly a one-minibatch step on those groups alone;
+    the second is scored against the old log-probs after the first update, so its ratio has moved."""
+    both = run_distributed("tests.rl_workers:rl_step_worker", 1, root=str(tmp_path / "a"), kl=0.05, minibatches=2,
+                           steps=1)[0][0]  # fmt: skip
+    alone = run_distributed("tests.rl_workers:rl_step_worker", 1, root=str(tmp_path / "b"), kl=0.05, groups=2,
+                            steps=1)[0][0]  # fmt: skip
+    assert len(both["minibatch_losses"]) == 2 and alone["minibatch_losses"] == [alone["loss"]]
+    first = both["minibatch_losses"][0]
+    assert abs(first - alone["loss"]) <= 1e-6 * max(1.0, abs(alone["loss"])), (first, alone["loss"])
+    assert abs(both["loss"] - sum(both["minibatch_losses"]) / 2) <= 1e-9
+    assert abs(alone["metrics"]["mean_ratio"] - 1) <= 1e-6  # one update: on-policy
+    assert abs(both["metrics"]["mean_ratio"] - 1) > 1e-5, both["metrics"]  # the second run saw a moved policy
+
+
+def test_minibatches_keep_groups_whole():
+    from mcore_packing.losses.rollouts import minibatches
+
+    assert minibatches(["a", "b", "a", "c", "b", "c", "d"], 2) == [[0, 1, 2, 4], [3, 5, 6]]
+    assert minibatches([0, 0, 1, 1], 1) == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="num_minibatches=3 needs 1 to 2"):
+        minibatches([0, 0, 1, 1], 3)
+
+
+@pytest.mark.slow
 def test_grpo_example_reward_rises(tmp_path):
     """The CPU example (`python -m mcore_packing grpo`), 25 steps: the mean reward of the last five steps is
     well above that of the first five (the full 60-step curve is in the README)."""

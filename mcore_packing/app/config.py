@@ -219,7 +219,7 @@ class OptimizerConfig:
     lr_decay_style: str = "cosine"  # constant | linear | cosine | inverse-square-root
     lr_warmup_iters: int = 2  # steps of linear warmup from lr_warmup_init to lr
     lr_warmup_init: float = 0.0
-    lr_decay_iters: int | None = None  # the step where the decay reaches min_lr; null: training.steps
+    lr_decay_iters: int | None = None  # the optimizer step where the decay reaches min_lr; null: the run's last
     initial_loss_scale: float = 4294967296.0  # fp16 only: dynamic loss scaling
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -293,9 +293,15 @@ class GRPOConfig:
     use_leave_one_out_baseline: bool = False  # baseline: the mean of the group's other rewards
     normalize_rewards: bool = True  # divide advantages by the group's reward standard deviation
     keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass
+    num_minibatches: int = 1  # optimizer steps per GRPO step, each on whole groups against the same old log-probs
 
     def __post_init__(self):
-        _positive("grpo", self, "num_prompts_per_step")
+        _positive("grpo", self, "num_prompts_per_step", "num_minibatches")
+        if self.num_minibatches > self.num_prompts_per_step:
+            raise ConfigError(
+                f"grpo.num_minibatches={self.num_minibatches} is more than grpo.num_prompts_per_step="
+                f"{self.num_prompts_per_step}: a minibatch holds whole groups. Lower it."
+            )
         _positive("grpo", self, "num_generations_per_prompt", allow_none=True)
         if self.num_generations_per_prompt == 1:
             raise ConfigError(
@@ -343,6 +349,12 @@ class TrainConfig:
     run_dir: str = "outputs/local/sft"
     resume: Any = False  # false | true (the newest complete checkpoint; error if none) | auto (that, or start)
 
+    @property
+    def optimizer_steps(self) -> int:
+        """Optimizer (and LR schedule) steps of the run: ``training.steps``, times the minibatches of a GRPO
+        step."""
+        return self.training.steps * (self.grpo.num_minibatches if self.algorithm == "grpo" else 1)
+
     def __post_init__(self):
         require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
         require_choice("algorithm", self.algorithm, ALGORITHMS, error=ConfigError)
@@ -383,7 +395,7 @@ def validate_layout(cfg: TrainConfig, world_size: int) -> int:
             "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "
             "have different shapes."
         )
-    cfg.optimizer.decay_iters(cfg.training.steps)  # the LR decay must end after the warmup
+    cfg.optimizer.decay_iters(cfg.optimizer_steps)  # the LR decay must end after the warmup
     return world_size // par.model_parallel_size
 
 

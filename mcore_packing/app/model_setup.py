@@ -138,7 +138,7 @@ def _optimizer_and_scheduler(cfg: TrainConfig, model, dtype):
         min_lr=opt.min_lr,
         lr_warmup_init=opt.lr_warmup_init,
         lr_warmup_iters=opt.lr_warmup_iters,
-        lr_decay_iters=opt.decay_iters(cfg.training.steps),
+        lr_decay_iters=opt.decay_iters(cfg.optimizer_steps),
         lr_decay_style=opt.lr_decay_style,
         weight_decay=opt.weight_decay,
     )

@@ -2,7 +2,8 @@
 
     check_rollouts -> rollout_samples + grpo_advantages            (losses.rollouts)
     log-prob pass  -> plan_step(forward_only, logprob_mb_tokens) -> compute_logprobs(policy), (reference)
-    training pass  -> plan_step(train_mb_tokens) -> run_step(sample_loss=ClippedPGLoss) -> optimizer, schedule
+    training pass  -> per minibatch (grpo.num_minibatches runs of whole groups): plan_step(train_mb_tokens)
+                      -> run_step(sample_loss=ClippedPGLoss) -> optimizer, schedule
 
 Groups (the responses to one prompt) share a micro-batch of the log-prob pass when ``keep_groups_together``
 (packing or dynamic batching); the training pass packs freely (the loss is per sample, its normalization global). The
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..losses import ClippedPGConfig, ClippedPGLoss
-from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, rollout_samples
-from ..planning import StepPlanConfig, plan_step
+from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, minibatches, rollout_samples
+from ..planning import StepPlan, StepPlanConfig, plan_step
 from .config import GRPOConfig, TrainConfig
 from .model_setup import TrainingSetup
 from .step import StepOutcome, train_step
@@ -30,17 +31,19 @@ __all__ = ["RLStepResult", "build_reference_model", "rl_step"]
 
 @dataclass(frozen=True)
 class RLStepResult:
-    """The step's loss (exact, every rank), its metrics (clip fraction, approximate KL, mean ratio,
-    entropy estimate, mean reward, grad norm), the advantages, the seconds of each pass, and the training
-    pass's plan and `StepOutcome` (for `MetricsLogger.log_step`)."""
+    """The step's loss (exact, every rank; with minibatches their mean), its metrics (clip fraction,
+    approximate KL, mean ratio, KL to the reference, entropy estimate, mean reward, grad norm), the
+    advantages, the seconds of each pass, the training pass's plan and `StepOutcome` (minibatches chained,
+    for `MetricsLogger.log_step`), and each minibatch's loss."""
 
     loss: float
     metrics: dict
     advantages: list[float]
     logprob_seconds: float
     train_seconds: float
-    plan: object
+    plan: StepPlan
     outcome: StepOutcome
+    minibatch_losses: list[float]
 
 
 def build_reference_model(cfg: TrainConfig, shape, device):
@@ -80,8 +83,10 @@ def _per_position(rollouts: Sequence[Rollout], fallback) -> list:
 
 def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], plan_config: StepPlanConfig, *,
             loss: ClippedPGConfig, grpo: GRPOConfig | None = None) -> RLStepResult:  # fmt: skip
-    """One policy step on ``rollouts`` (every rank passes the same list). ``grpo`` (the trainer's
-    ``grpo`` group; its defaults when None) sets the advantage baseline and the grouping."""
+    """One GRPO step on ``rollouts`` (every rank passes the same list): the log-prob pass over all of them,
+    then ``grpo.num_minibatches`` optimizer steps, each on a run of whole groups against the same old
+    log-probs (from the second on the policy has moved, so the ratio and its clipping act). ``grpo`` (the
+    trainer's ``grpo`` group; its defaults when None) also sets the advantage baseline and the grouping."""
     from ..megatron import compute_logprobs
 
     grpo = grpo or GRPOConfig()
@@ -101,13 +106,41 @@ def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], 
     logprob_seconds = time.perf_counter() - start
     pg_loss = ClippedPGLoss(loss, advantages=advantages.tolist(), old_logprobs=old, reference_logprobs=reference,
                             generation_logprobs=_per_position(rollouts, old))  # fmt: skip
-    train_plan = plan_step(lengths, plan_config)  # the loss is per sample: groups may split here
-    outcome = train_step(setup, samples, train_plan, normalization=loss.normalization, sample_loss=pg_loss)
+    plans, outcomes = [], []
+    for part in minibatches(group_ids, grpo.num_minibatches):  # the loss is per sample: groups may split here
+        plans.append(plan_step([lengths[i] for i in part], plan_config))
+        outcomes.append(train_step(setup, [samples[i] for i in part], plans[-1], normalization=loss.normalization,
+                                   sample_loss=_in_minibatch(pg_loss, part)))  # fmt: skip
+    outcome = _combined(outcomes)
     metrics = _reduce_metrics(pg_loss.metrics, setup.device)
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
-    return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds,
-                        train_plan, outcome)  # fmt: skip
+    plan = plans[0] if len(plans) == 1 else StepPlan.chained(plans)
+    return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds, plan,
+                        outcome, [o.result.loss for o in outcomes])  # fmt: skip
+
+
+def _in_minibatch(pg_loss: ClippedPGLoss, part: list[int]):
+    """`run_step`'s per-sample loss for a minibatch: its sample ids are positions in ``part``."""
+    return lambda sample_id, logprobs, mask: pg_loss(part[sample_id], logprobs, mask)
+
+
+def _combined(outcomes: list[StepOutcome]) -> StepOutcome:
+    """A GRPO step's optimizer steps as one outcome: the mean loss, summed counts and seconds, the first
+    step's learning rate, the mean gradient norm, and whether every update was applied."""
+    if len(outcomes) == 1:
+        return outcomes[0]
+    results = [o.result for o in outcomes]
+    counts = {k: sum(getattr(r, k) for r in results)
+              for k in ("num_tokens", "num_sequences", "num_microbatches", "padded_tokens", "real_tokens")}  # fmt: skip
+    norms = [o.grad_norm for o in outcomes if o.grad_norm is not None]
+    return StepOutcome(
+        result=replace(results[0], loss=sum(r.loss for r in results) / len(results), **counts),
+        seconds=sum(o.seconds for o in outcomes),
+        lr=outcomes[0].lr,
+        grad_norm=sum(norms) / len(norms) if norms else None,
+        updated=all(o.updated for o in outcomes),
+    )
 
 
 def _entropy(old_logprobs, samples) -> float:

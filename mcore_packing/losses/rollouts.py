@@ -16,7 +16,7 @@ import numpy as np
 
 from ..data.sample import SequenceSample
 
-__all__ = ["Rollout", "check_rollouts", "grpo_advantages", "read_rollouts_jsonl", "rollout_samples"]
+__all__ = ["Rollout", "check_rollouts", "grpo_advantages", "minibatches", "read_rollouts_jsonl", "rollout_samples"]
 
 _FIELDS = ("prompt_tokens", "response_tokens", "reward", "group_id")
 
@@ -101,3 +101,19 @@ def rollout_samples(rollouts: Sequence[Rollout]) -> list[SequenceSample]:
         mask[len(r.prompt_tokens) :] = 1.0
         samples.append(SequenceSample(tokens, mask))
     return samples
+
+
+def minibatches(group_ids: Sequence, count: int) -> list[list[int]]:
+    """The rollout indices of ``count`` minibatches of whole groups: the groups in first-appearance order
+    cut into ``count`` consecutive runs of (nearly) equal numbers of groups; rollouts in input order."""
+    members: dict = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    if not 1 <= count <= len(members):
+        raise ValueError(
+            f"num_minibatches={count} needs 1 to {len(members)} (the number of groups in the step): a minibatch "
+            "holds whole groups."
+        )
+    runs = np.array_split(np.arange(len(members)), count)
+    groups = list(members.values())
+    return [sorted(i for k in run.tolist() for i in groups[k]) for run in runs]

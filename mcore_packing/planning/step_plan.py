@@ -27,7 +27,7 @@ import hashlib
 import heapq
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -102,6 +102,25 @@ class StepPlan:
             "micro_batches": [[(mb.sample_indices, mb.shape) for mb in rank] for rank in self.micro_batches],
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
+
+    @classmethod
+    def chained(cls, plans: Sequence[StepPlan]) -> StepPlan:
+        """Plans of consecutive optimizer steps over consecutive slices of one sample list, as one plan for
+        reporting (a GRPO step's minibatches): lengths concatenated, each rank's micro-batches in order,
+        sample indices offset by the earlier plans' lengths."""
+        offsets = np.cumsum([0, *(len(p.lengths) for p in plans)]).tolist()
+        ranks = len(plans[0].micro_batches)
+        micro = tuple(
+            tuple(
+                replace(mb, sample_indices=tuple(i + offset for i in mb.sample_indices))
+                for p, offset in zip(plans, offsets, strict=False)
+                for mb in p.micro_batches[r]
+            )
+            for r in range(ranks)
+        )
+        lengths = tuple(n for p in plans for n in p.lengths)
+        return cls(config=plans[0].config, forward_only=plans[0].forward_only, lengths=lengths, micro_batches=micro,
+                   row_capacity=plans[0].row_capacity)  # fmt: skip
 
     def rank_costs(self) -> list[float]:
         """Predicted cost of each DP rank's micro-batches (the slowest sets the step time)."""
