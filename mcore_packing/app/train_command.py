@@ -4,6 +4,7 @@
     python -m mcore_packing train sequence_packing.enabled=false dynamic_batching.enabled=true
     torchrun --nproc_per_node 2 -m mcore_packing train parallel.cp=2
     python -m mcore_packing train resume=true training.steps=40        # continue at the next sample
+    python -m mcore_packing train algorithm=grpo grpo.rollouts=rollouts.jsonl   # GRPO on your engine's rollouts
     python -m mcore_packing train --recipe llama3_8b_sft_packed --num-nodes 2 --gpus-per-node 8 --dry-run
 
 Arguments other than the flags below are Hydra overrides (``parallel.tp=2``, ``data=jsonl``; ``+key=..``
