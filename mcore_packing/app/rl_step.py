@@ -5,12 +5,13 @@
     training pass  -> per minibatch (grpo.num_minibatches runs of whole groups): plan_step(train_mb_tokens)
                       -> run_step(sample_loss=ClippedPGLoss) -> optimizer, schedule
 
-Groups (the responses to one prompt) share a micro-batch of the log-prob pass when ``keep_groups_together``
-(packing or dynamic batching); the training pass packs freely (the loss is per sample, its normalization global). The
-settings are the trainer's ``loss_fn`` (`losses.ClippedPGConfig`) and ``grpo`` (`config.GRPOConfig`)
-groups; `trainer.train` runs this step per global batch of groups with ``algorithm=grpo``. The reference
-model is built once (`build_reference_model`: the policy's shape and layout, the same starting weights,
-no optimizer). Generation is the user's inference engine's job; this step takes its rollouts.
+Groups (the responses to one prompt) share a micro-batch of the log-prob pass when
+``keep_groups_together`` (packing or dynamic batching); the training pass packs freely (the loss is per
+sample, its normalization global). The settings are the trainer's ``loss_fn`` (`losses.ClippedPGConfig`)
+and ``grpo`` (`config.GRPOConfig`) groups; `trainer.train` runs this step per global batch of groups with
+``algorithm=grpo``. The reference model is built once (`build_reference_model`: the policy's shape and
+layout, the same starting weights, no optimizer). Generation is the user's inference engine's job; this
+step takes its rollouts.
 """
 
 from __future__ import annotations
