@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..data.sample import SequenceSample
-from ..losses.rollouts import Rollout, check_rollouts, read_rollouts_jsonl, rollout_samples
+from ..losses.rollouts import Rollout, check_rollouts, group_members, read_rollouts_jsonl, rollout_samples
 from .config import ConfigError, GRPOConfig
 
 __all__ = ["RolloutData", "load_rollout_data"]
@@ -52,9 +52,7 @@ def load_rollout_data(grpo: GRPOConfig) -> RolloutData:
         check_rollouts(rollouts, grpo=True)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"grpo.rollouts: {exc}") from None
-    members: dict = {}
-    for i, r in enumerate(rollouts):
-        members.setdefault(r.group_id, []).append(i)
+    members = group_members([r.group_id for r in rollouts])
     groups = list(members.values())
     want = grpo.num_generations_per_prompt
     if want is not None:

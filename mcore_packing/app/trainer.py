@@ -89,9 +89,9 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     lengths = [len(s) for s in data.samples]
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
-    if isinstance(data, RolloutData) and cfg.grpo.keep_groups_together:
-        _check_groups_fit(step_config, data, lengths, cfg.grpo.num_prompts_per_step)
     if isinstance(data, RolloutData):
+        if cfg.grpo.keep_groups_together:
+            _check_groups_fit(step_config, data, lengths, cfg.grpo.num_prompts_per_step)
         units, batch_units = len(data.groups), cfg.grpo.num_prompts_per_step  # checked by load_rollout_data
     else:
         units, batch_units = len(lengths), cfg.training.global_batch_size

@@ -16,7 +16,15 @@ import numpy as np
 
 from ..data.sample import SequenceSample
 
-__all__ = ["Rollout", "check_rollouts", "grpo_advantages", "minibatches", "read_rollouts_jsonl", "rollout_samples"]
+__all__ = [
+    "Rollout",
+    "check_rollouts",
+    "group_members",
+    "grpo_advantages",
+    "minibatches",
+    "read_rollouts_jsonl",
+    "rollout_samples",
+]
 
 _FIELDS = ("prompt_tokens", "response_tokens", "reward", "group_id")
 
@@ -48,11 +56,18 @@ def read_rollouts_jsonl(path: str) -> list[Rollout]:
     return rollouts
 
 
+def group_members(group_ids: Sequence) -> dict:
+    """``{group id: [indices]}`` in first-appearance order, indices ascending."""
+    members: dict = {}
+    for i, g in enumerate(group_ids):
+        members.setdefault(g, []).append(i)
+    return members
+
+
 def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
     """Clear errors for rollouts a step cannot use."""
     if not rollouts:
         raise ValueError("no rollouts: the policy step needs at least one sampled response.")
-    sizes: dict = {}
     for i, r in enumerate(rollouts):
         if len(r.response_tokens) == 0:
             raise ValueError(f"rollout {i} (group {r.group_id!r}) has an empty response: drop it before the step.")
@@ -66,9 +81,8 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
                 f"rollout {i} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
                 "response tokens: give one per response token (or none)."
             )
-        sizes[r.group_id] = sizes.get(r.group_id, 0) + 1
     if grpo:
-        single = [g for g, n in sizes.items() if n == 1]
+        single = [g for g, idx in group_members([r.group_id for r in rollouts]).items() if len(idx) == 1]
         if single:
             raise ValueError(
                 f"GRPO needs several responses per prompt; group(s) {single[:5]} have one. Sample more responses "
@@ -106,9 +120,7 @@ def rollout_samples(rollouts: Sequence[Rollout]) -> list[SequenceSample]:
 def minibatches(group_ids: Sequence, count: int) -> list[list[int]]:
     """The rollout indices of ``count`` minibatches of whole groups: the groups in first-appearance order
     cut into ``count`` consecutive runs of (nearly) equal numbers of groups; rollouts in input order."""
-    members: dict = {}
-    for i, g in enumerate(group_ids):
-        members.setdefault(g, []).append(i)
+    members = group_members(group_ids)
     if not 1 <= count <= len(members):
         raise ValueError(
             f"num_minibatches={count} needs 1 to {len(members)} (the number of groups in the step): a minibatch "
