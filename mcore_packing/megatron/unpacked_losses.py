@@ -35,11 +35,11 @@ def sequence_loss_sum(
     prep: PreparedMicroBatch, output: torch.Tensor, fn: Callable, groups: ParallelGroups, totals: StepTotals
 ) -> torch.Tensor:
     """``fn`` on every sequence with at least one target; this rank's share of (sum / S)."""
-    total = output.new_zeros((), dtype=torch.float32)
-    for _, logprobs, mask in per_sample_logprobs(prep, output, groups):
-        if mask.numel() and mask.sum() > 0:
-            total = total + _check_scalar(fn(logprobs, mask), "sequence_loss", "sequence")
-    return total / (totals.num_sequences * groups.cp_size)
+
+    def per_sequence(_, logprobs, mask):
+        return fn(logprobs, mask)
+
+    return _share_of_sum(prep, output, per_sequence, groups, totals.num_sequences, ("sequence_loss", "sequence"))
 
 
 def sample_loss_sum(
@@ -54,11 +54,17 @@ def sample_loss_sum(
     """``fn(sample_id, logprobs, mask)`` on every sample with at least one target; this rank's share of
     (sum / G) when ``per_token`` (``fn`` returns the sample's token sum), else of (sum / S) (``fn`` returns
     its per-sequence value)."""
+    divisor = totals.num_tokens if per_token else totals.num_sequences
+    return _share_of_sum(prep, output, fn, groups, divisor, ("sample_loss", "sample"))
+
+
+def _share_of_sum(prep, output, fn: Callable, groups: ParallelGroups, divisor: int, names: tuple[str, str]):
+    """``fn(sample_id, logprobs, mask)`` summed over the samples with at least one target, divided by
+    ``divisor`` and by CP (``names``: the option and its unit, for the error)."""
     total = output.new_zeros((), dtype=torch.float32)
     for sample_id, logprobs, mask in per_sample_logprobs(prep, output, groups):
         if mask.numel() and mask.sum() > 0:
-            total = total + _check_scalar(fn(sample_id, logprobs, mask), "sample_loss", "sample")
-    divisor = totals.num_tokens if per_token else totals.num_sequences
+            total = total + _check_scalar(fn(sample_id, logprobs, mask), *names)
     return total / (divisor * groups.cp_size)
 
 
