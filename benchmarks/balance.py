@@ -22,7 +22,7 @@ from _report import run_config, write_results
 
 from mcore_packing.app.plan_command import DEFAULT_SHAPE
 from mcore_packing.data import sample_lengths
-from mcore_packing.planning import CostModel, StepPlanConfig, plan_step
+from mcore_packing.planning import CostModel, ParallelLayout, StepPlanConfig, plan_step
 
 STRATEGIES = {
     "round_robin": dict(balance="round_robin"),
@@ -59,7 +59,9 @@ def main(argv=None) -> int:
             counts = []
             for seed in range(args.batches):
                 lengths = batch_for(dist, args.dp * per_rank, args.capacity, seed)
-                base = StepPlanConfig(mode="packing", train_mb_tokens=args.capacity, dp_size=args.dp, cost_model=model)
+                base = StepPlanConfig(
+                    mode="packing", train_mb_tokens=args.capacity, layout=ParallelLayout(dp=args.dp), cost_model=model
+                )
                 for name, change in STRATEGIES.items():
                     plan = plan_step(lengths, replace(base, **change))
                     loads = [sum(mb.cost for mb in rank) for rank in plan.micro_batches]

@@ -46,11 +46,11 @@ def main(argv=None) -> int:
     from mcore_packing.app.global_batches import GlobalBatchSampler
     from mcore_packing.data.sft import load_sft_data
     from mcore_packing.megatron import (
-        ParallelGroups,
+        ProcessGroups,
         build_gpt_model,
         cpu_device_adapter,
+        forward_backward,
         initialize_parallel,
-        run_step,
     )
     from mcore_packing.planning import CostModel, StepPlanConfig, plan_step
 
@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     rows, shares = [], []
     with cpu_device_adapter() if not torch.cuda.is_available() else contextlib.nullcontext():
         model, _ = build_gpt_model(shape)
-        groups = ParallelGroups.from_megatron()
-        run = lambda plan, samples: _measure(plan, samples, model, groups, run_step, args.dp)  # noqa: E731
+        groups = ProcessGroups.from_megatron()
+        run = lambda plan, samples: _measure(plan, samples, model, groups, forward_backward, args.dp)  # noqa: E731
         # Pass 1: the FLOP cost model; every rank's share is a measurement for the calibration.
         flops = _pass(batches, data, model_cost, args.dp, run, plan_step, StepPlanConfig, shares)
         calibrated = CostModel.calibrate([s[0] for s in shares], [s[1] for s in shares], [s[2] for s in shares])
@@ -96,9 +96,13 @@ def main(argv=None) -> int:
 def _pass(batches, data, cost_model, dp, run, plan_step, StepPlanConfig, shares) -> dict:
     """Plan and run every batch with each balance; (mean slowest measured share, mean predicted) per balance.
     Every measured share after the warm-up batch is appended to ``shares`` as (lengths, seconds, mbs)."""
+    from mcore_packing.planning import ParallelLayout
+
     out = {}
     for balance in BALANCES:
-        config = StepPlanConfig(train_mb_tokens=4096, dp_size=dp, balance=balance, cost_model=cost_model)
+        config = StepPlanConfig(
+            train_mb_tokens=4096, layout=ParallelLayout(dp=dp), balance=balance, cost_model=cost_model
+        )
         measured, predicted = [], []
         for step, ids in enumerate(batches):
             samples = [data.samples[i] for i in ids]
@@ -114,18 +118,18 @@ def _pass(batches, data, cost_model, dp, run, plan_step, StepPlanConfig, shares)
     return out
 
 
-def _measure(plan, samples, model, groups, run_step, dp) -> list[float]:
-    return [_time_share(plan, r, samples, model, groups, run_step) for r in range(dp)]
+def _measure(plan, samples, model, groups, forward_backward, dp) -> list[float]:
+    return [_time_share(plan, r, samples, model, groups, forward_backward) for r in range(dp)]
 
 
-def _time_share(plan, rank, samples, model, groups, run_step) -> float:
+def _time_share(plan, rank, samples, model, groups, forward_backward) -> float:
     """Seconds for one DP rank's micro-batches, run alone through Megatron's schedule."""
     share = dataclasses.replace(
         plan, config=dataclasses.replace(plan.config, dp_size=1), micro_batches=(plan.micro_batches[rank],)
     )
     model.zero_grad_buffer()
     start = time.perf_counter()
-    run_step(model, samples, share, groups, verify=False)
+    forward_backward(model, samples, share, groups, verify=False)
     return time.perf_counter() - start
 
 

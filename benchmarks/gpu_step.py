@@ -2,7 +2,7 @@
 
 A ~1B-parameter Llama-shaped GPT (16 layers, width 2048, 16 query / 8 key-value heads, SwiGLU MLP 5632,
 vocabulary 32000) in bf16 runs forward+backward of the same global batches of real CHAMP conversation
-lengths (64 per step) through Megatron's schedule (`run_step`), cut three ways:
+lengths (64 per step) through Megatron's schedule (`forward_backward`), cut three ways:
 
 - padded: ``--padded-rows`` consecutive samples per micro-batch, padded to their longest;
 - dynamic: `plan_step(mode="dynamic")`, similar lengths together under ``--mb-tokens``;
@@ -124,7 +124,7 @@ def measure_mode(args, model, groups, device, batches, mode: str) -> dict:
     """Time every step of one mode; the first step warms up kernels and the allocator."""
     import torch
 
-    from mcore_packing.megatron import run_step
+    from mcore_packing.megatron import forward_backward
     from mcore_packing.planning import CostModel
     from mcore_packing.thd import SequenceSample
 
@@ -141,7 +141,7 @@ def measure_mode(args, model, groups, device, batches, mode: str) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = run_step(model, samples, plan, groups, device=device, verify=False)
+        out = forward_backward(model, samples, plan, groups, device=device, verify=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:
@@ -179,7 +179,7 @@ def run_model(args, config: dict) -> int:
     import torch.distributed as dist
 
     from mcore_packing.compat import te_available
-    from mcore_packing.megatron import ParallelGroups, build_gpt_model, cpu_device_adapter, initialize_parallel
+    from mcore_packing.megatron import ProcessGroups, build_gpt_model, cpu_device_adapter, initialize_parallel
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU; none is visible (use --plan-only without one).")
@@ -204,7 +204,7 @@ def run_model(args, config: dict) -> int:
                 print("attention backend te: skipped, TransformerEngine is not installed", flush=True)
                 continue
             model, _ = build_gpt_model(model_shape(args), dtype=dtype, attention_backend=backend, device=device)
-            groups = ParallelGroups.from_megatron()
+            groups = ProcessGroups.from_megatron()
             row = {"attention_backend": backend, "parameters": sum(p.numel() for p in model.parameters())}
             for mode in MODES:
                 row[mode] = measure_mode(args, model, groups, device, batches, mode)

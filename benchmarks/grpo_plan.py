@@ -49,10 +49,11 @@ def configs(dp: int):
     dynamic = dataclasses.replace(base.dynamic_batching, enabled=True, train_mb_tokens=8192, logprob_mb_tokens=16384)
     padded = dataclasses.replace(base.training, padded_micro_batch_rows=4)
     no_packing = dataclasses.replace(base.sequence_packing, enabled=False)
+    layout = base.parallel.layout(dp * base.parallel.layout().model_parallel_size)
     return base, {
-        "packing": plan_config(base, dp),
-        "dynamic": plan_config(dataclasses.replace(base, sequence_packing=no_packing, dynamic_batching=dynamic), dp),
-        "padded": plan_config(dataclasses.replace(base, sequence_packing=no_packing, training=padded), dp),
+        "packing": plan_config(base, layout),
+        "dynamic": plan_config(dataclasses.replace(base, sequence_packing=no_packing, dynamic_batching=dynamic), layout),
+        "padded": plan_config(dataclasses.replace(base, sequence_packing=no_packing, training=padded), layout),
     }
 
 

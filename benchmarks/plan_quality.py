@@ -18,7 +18,7 @@ from _report import run_config, write_results
 
 from mcore_packing.app.plan_command import DEFAULT_SHAPE
 from mcore_packing.data import sample_lengths
-from mcore_packing.planning import CostModel, StepPlanConfig, summarize
+from mcore_packing.planning import CostModel, ParallelLayout, StepPlanConfig, summarize
 
 DISTRIBUTIONS = ["lognormal", "power_law", "uniform", "real:champ", "real:stdlib"]
 
@@ -47,7 +47,9 @@ def main(argv=None) -> int:
             lengths = sample_lengths(dist, args.num, budget, seed=args.seed)
             for dp in args.dp:
                 for mode in ("packing", "dynamic"):
-                    cfg = StepPlanConfig(mode=mode, train_mb_tokens=budget, dp_size=dp, cost_model=model)
+                    cfg = StepPlanConfig(
+                        mode=mode, train_mb_tokens=budget, layout=ParallelLayout(dp=dp), cost_model=model
+                    )
                     start = time.perf_counter()
                     s = summarize(lengths, cfg, global_batch_size=args.global_batch_size, padded_rows=4, model=model)
                     seconds = time.perf_counter() - start

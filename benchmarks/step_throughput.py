@@ -1,7 +1,7 @@
 """Training-step throughput on CPU: pad-to-longest vs dynamic batching vs packing, one run, same batches.
 
 A small real Megatron GPTModel runs forward+backward of whole global batches through
-`mcore_packing.schedule.run_step` (Megatron's own schedule). Three ways to cut each global batch:
+`mcore_packing.megatron.forward_backward` (Megatron's own schedule). Three ways to cut each global batch:
 
 - padded: consecutive samples in micro-batches of ``--padded-rows`` rows, each padded to its longest
   (the usual pad-to-longest data loader);
@@ -81,7 +81,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
     import torch.distributed as dist
 
     from mcore_packing.compat import te_available
-    from mcore_packing.megatron import ParallelGroups, cpu_device_adapter, run_step
+    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, forward_backward
     from mcore_packing.megatron.model import build_gpt_model, initialize_parallel
     from mcore_packing.planning import ModelShape, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
@@ -122,7 +122,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
                 continue
             model, _ = build_gpt_model(shape, dtype=dtype, attention_backend=backend, device=device)
             n_params = sum(p.numel() for p in model.parameters())
-            groups = ParallelGroups.from_megatron()
+            groups = ProcessGroups.from_megatron()
             for distribution in args.distributions:
                 batches = global_batches(
                     distribution, args.steps + 1, args.batch_size, args.max_len, args.seed, args.vocab
@@ -141,7 +141,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         start = time.perf_counter()
-                        out = run_step(model, samples, plan, groups, device=device, verify=False)
+                        out = forward_backward(model, samples, plan, groups, device=device, verify=False)
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         elapsed = time.perf_counter() - start

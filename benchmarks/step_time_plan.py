@@ -22,14 +22,14 @@ from _report import run_config, write_results
 
 from mcore_packing.app.plan_command import DEFAULT_SHAPE
 from mcore_packing.data import real_corpus_lengths, sample_lengths
-from mcore_packing.planning import CostModel, StepPlanConfig, plan_step, summarize
+from mcore_packing.planning import CostModel, ParallelLayout, StepPlanConfig, plan_step, summarize
 
 
 def balance_rows(model) -> list[dict]:
     lengths = real_corpus_lengths("champ")
     rows = []
     for balance in ("round_robin", "tokens", "cost"):
-        config = StepPlanConfig(train_mb_tokens=16384, dp_size=8, balance=balance, cost_model=model)
+        config = StepPlanConfig(train_mb_tokens=16384, layout=ParallelLayout(dp=8), balance=balance, cost_model=model)
         s = summarize(lengths, config, global_batch_size=512, padded_rows=4, model=model)
         rows.append(
             {
@@ -60,7 +60,7 @@ def pipeline_rows(model) -> list[dict]:
     for name, (lengths, batch, budget) in sets.items():
         for order in ("packer", "largest_first", "bubble", "pipeline"):
             config = StepPlanConfig(
-                train_mb_tokens=budget, dp_size=8, pp_size=4, microbatch_order=order, cost_model=model
+                train_mb_tokens=budget, layout=ParallelLayout(dp=8, pp=4), microbatch_order=order, cost_model=model
             )
             s = summarize(lengths, config, global_batch_size=batch, padded_rows=4, model=model)
             rows.append(
@@ -82,7 +82,7 @@ def pipeline_rows(model) -> list[dict]:
 
 def speed_rows(model) -> list[dict]:
     champ = real_corpus_lengths("champ")
-    config = StepPlanConfig(train_mb_tokens=16384, dp_size=8, cost_model=model)
+    config = StepPlanConfig(train_mb_tokens=16384, layout=ParallelLayout(dp=8), cost_model=model)
     times = []
     for lo in range(0, champ.size - 511, 512):
         start = time.perf_counter()

@@ -150,9 +150,9 @@ def save_load_timing_worker(rank: int, world_size: int, *, root: str, repeats: i
     from mcore_packing.app.checkpoint import Checkpointer, data_fingerprint
     from mcore_packing.app.global_batches import GlobalBatchSampler
     from mcore_packing.app.model_setup import default_device, device_context, setup_training
-    from mcore_packing.app.step import train_step
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.app.trainer import prepare_run
+    from mcore_packing.megatron import nll_loss, train_step
     from mcore_packing.planning import plan_step
 
     cfg = compose_config(None, [f"run_dir={root}", "logging.progress_bar=false"])
@@ -162,8 +162,9 @@ def save_load_timing_worker(rank: int, world_size: int, *, root: str, repeats: i
         setup = setup_training(cfg, inputs.shape)
         ids = sampler.next_batch()
         plan = plan_step([inputs.lengths[i] for i in ids], inputs.step_config)
-        train_step(setup, [inputs.data.samples[i] for i in ids], plan, normalization=cfg.training.loss_normalization)
-        checkpointer = Checkpointer(cfg, setup.rank, world_size, data_fingerprint(inputs.data.samples))
+        loss = nll_loss(cfg.training.loss_normalization)
+        train_step(setup.policy, [inputs.data.samples[i] for i in ids], plan, loss=loss)
+        checkpointer = Checkpointer(cfg, setup.rank, inputs.layout, data_fingerprint(inputs.data.samples))
         saves, loads = [], []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -173,5 +174,5 @@ def save_load_timing_worker(rank: int, world_size: int, *, root: str, repeats: i
             checkpointer.load(folder, setup, sampler)
             loads.append(time.perf_counter() - start)
     size = sum(p.stat().st_size for p in folder.iterdir())
-    params = sum(p.numel() for p in setup.model.parameters())
+    params = sum(p.numel() for p in setup.policy.model.parameters())
     return {"bytes": size, "parameters": params, "save_s": min(saves), "load_s": min(loads)}

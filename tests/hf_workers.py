@@ -11,12 +11,13 @@ def _build(folder, tp, pp, patch=None):
     from megatron.core import parallel_state as ps
 
     from mcore_packing.megatron import build_gpt_model, cpu_device_adapter, hf_weights
+    from mcore_packing.planning import ParallelLayout
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
     init_megatron(tp=tp, pp=pp)
     shape = shape_from_hf_config(read_hf_config(folder))
     with cpu_device_adapter():
-        model, _ = build_gpt_model(shape, tp=tp, pp=pp, attention_backend="local")
+        model, _ = build_gpt_model(shape, ParallelLayout(tp=tp, pp=pp), attention_backend="local")
     if patch == "swap_gate_up":  # negative control: [up; gate] instead of [gate; up]
         kind, names = hf_weights._PER_LAYER["mlp.linear_fc1.weight"]
         hf_weights._PER_LAYER["mlp.linear_fc1.weight"] = (kind, names[::-1])
@@ -36,8 +37,8 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from mcore_packing.megatron import ParallelGroups, compute_logprobs, cpu_device_adapter, to_packed_seq_params
-    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.megatron import ProcessGroups, compute_logprobs, cpu_device_adapter, to_packed_seq_params
+    from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
 
     model, shape, stats = _build(folder, tp, pp, patch)
@@ -60,10 +61,10 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
             starts = batch.cu_seqlens_padded.tolist()
             out["packed"] = [packed[a : a + len(s)] for a, s in zip(starts, sequences, strict=False)]
         lengths = [len(s) for s in sequences]
-        config = StepPlanConfig(train_mb_tokens=64, tp_size=tp, pp_size=pp)
+        config = StepPlanConfig(train_mb_tokens=64, layout=ParallelLayout(tp=tp, pp=pp))
         plan = plan_step(lengths, config, forward_only=True)
         samples = [SequenceSample(s) for s in sequences]
-        out["logprobs"] = compute_logprobs(model, samples, plan, ParallelGroups.from_megatron())
+        out["logprobs"] = compute_logprobs(model, samples, plan, ProcessGroups.from_megatron())
     if rank != 0:
         return {"stats": stats}
     return out
@@ -74,20 +75,22 @@ def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequ
     (and, when a step ran, the logits of ``sequences`` after it, PP=1 only)."""
     from megatron.core import parallel_state as ps
 
-    from mcore_packing.megatron import ParallelGroups, cpu_device_adapter, run_step
-    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, forward_backward
+    from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
 
     model, shape, _ = _build(folder, tp, pp)
     out = {}
     if sft_step:
         samples = [SequenceSample(s) for s in sequences]
-        plan = plan_step([len(s) for s in sequences], StepPlanConfig(train_mb_tokens=32, tp_size=tp, pp_size=pp))
+        plan = plan_step(
+            [len(s) for s in sequences], StepPlanConfig(train_mb_tokens=32, layout=ParallelLayout(tp=tp, pp=pp))
+        )
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=1e-2)
         with cpu_device_adapter():
             model.zero_grad_buffer()
-            out["loss"] = run_step(model, samples, plan, ParallelGroups.from_megatron()).loss
+            out["loss"] = forward_backward(model, samples, plan, ProcessGroups.from_megatron()).loss
             for p in params:
                 p.grad = p.main_grad.to(p.dtype)
             optimizer.step()

@@ -36,11 +36,11 @@ def make_rollouts(seed: int = 11, groups: int = 4, per_group: int = 4, vocab: in
 def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float, minibatches: int = 1, groups: int = 4,
                    steps: int = 2):  # fmt: skip
     """``steps`` GRPO steps on the rollouts of the first ``groups`` groups, from the seeded initial policy."""
-    from mcore_packing.app.config import GRPOConfig, plan_config
-    from mcore_packing.app.model_setup import default_device, device_context, setup_training
-    from mcore_packing.app.rl_step import build_reference_model, rl_step
+    from mcore_packing.app.config import plan_config
+    from mcore_packing.app.model_setup import build_model, default_device, device_context, setup_training
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.losses import ClippedPGConfig
+    from mcore_packing.rl import GRPOConfig, rl_step
 
     cfg = compose_config(None, [*SMALL, f"run_dir={root}"])
     shape = cfg.model.shape(128)
@@ -51,10 +51,11 @@ def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float, minibatc
     results = []
     with device_context(default_device()):
         setup = setup_training(cfg, shape)
-        reference = build_reference_model(cfg, shape, setup.device)
-        step_config = plan_config(cfg, setup.world_size // cfg.parallel.model_parallel_size, vocab_size=128)
+        layout = cfg.parallel.layout(setup.world_size)
+        reference = build_model(cfg, shape, layout)  # frozen: the policy's starting weights
+        step_config = plan_config(cfg, layout, vocab_size=128)
         for _ in range(steps):
-            r = rl_step(setup, reference, rollouts, step_config, loss=loss, grpo=grouped)
+            r = rl_step(setup.policy, rollouts, step_config, loss=loss, grpo=grouped, reference=reference)
             results.append({"loss": r.loss, "metrics": r.metrics, "advantages": r.advantages,
                             "logprob_seconds": r.logprob_seconds, "train_seconds": r.train_seconds,
                             "minibatch_losses": r.minibatch_losses})  # fmt: skip

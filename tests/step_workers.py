@@ -187,8 +187,8 @@ def _apply_negative_control(kind: str | None):
         # Normalize by this rank's own token count instead of the all-reduced global count.
         class LocalTotals(loss_module.StepTotals):
             @classmethod
-            def all_reduce(cls, tokens, sequences, group):
-                return loss_module.StepTotals.all_reduce.__func__(cls, tokens, sequences, None)
+            def all_reduce(cls, tokens, sequences, groups, group):
+                return loss_module.StepTotals.all_reduce.__func__(cls, tokens, sequences, groups, None)
 
         schedule.StepTotals = LocalTotals
     elif kind == "no_cp_factor":
@@ -224,13 +224,16 @@ def step_worker(rank, world_size, configs, samples, state_dict):
     import mcore_packing.megatron.prepare as prepare
     import mcore_packing.megatron.schedule as schedule
     from mcore_packing.megatron import (
-        ParallelGroups,
+        PerGroup,
+        PerSample,
+        ProcessGroups,
         compute_logprobs,
         cpu_device_adapter,
+        forward_backward,
         get_packed_gpt_block_spec,
-        run_step,
+        nll_loss,
     )
-    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
 
     seq_samples = [SequenceSample(s["tokens"], s["loss_mask"]) for s in samples]
@@ -269,58 +272,39 @@ def step_worker(rank, world_size, configs, samples, state_dict):
             plan_config = StepPlanConfig(
                 mode=cfg.get("mode", "packing"),
                 train_mb_tokens=cfg.get("train_mb_tokens", 96),
-                dp_size=dp,
-                tp_size=tp,
-                pp_size=pp,
-                cp_size=cp,
-                sequence_parallel=sp,
+                layout=ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sp),
                 fixed_length=None if not vsl else False,
                 microbatch_order=cfg.get("microbatch_order", "packer"),
                 balance=cfg.get("balance", "cost"),
                 cost_model=_attention_cost_model() if cfg.get("attention_cost") else None,
             )
-            groups = ParallelGroups.from_megatron()
+            pgs = ProcessGroups.from_megatron()
             from mcore_packing.losses import dpo_pair_loss
 
             if cfg.get("pg"):
                 plan = plan_step(lengths, plan_config)
                 loss = _pg_loss(cfg, samples)
+                step_loss = PerSample(loss, normalization=loss.config.normalization)
                 if cfg.get("negative_pg") == "per_microbatch_normalization":
-                    _normalize_per_microbatch(schedule, sum(len(r) for r in plan.micro_batches))
-                result = run_step(
-                    ddp,
-                    seq_samples,
-                    plan,
-                    groups,
-                    device="cpu",
-                    sample_loss=loss,
-                    normalization=loss.config.normalization,
-                )
+                    step_loss = _per_microbatch_loss(loss, sum(len(r) for r in plan.micro_batches))
+                result = forward_backward(ddp, seq_samples, plan, pgs, device="cpu", loss=step_loss)
             elif cfg.get("dpo"):
                 group_ids = [s["group"] for s in samples]
                 if cfg.get("wrong_pairs"):  # negative control: pair each rejected with the next chosen
                     group_ids = [((i + 1) // 2) % (len(samples) // 2) for i in range(len(samples))]
                 ref_logps = {i: s["ref_logp"] for i, s in enumerate(samples)}
                 plan = plan_step(lengths, plan_config, groups=group_ids)
-                result = run_step(
-                    ddp,
-                    seq_samples,
-                    plan,
-                    groups,
-                    device="cpu",
-                    group_ids=group_ids,
-                    group_loss=partial(dpo_pair_loss, reference_logps=ref_logps, beta=DPO_BETA),
-                )
+                dpo = PerGroup(partial(dpo_pair_loss, reference_logps=ref_logps, beta=DPO_BETA))
+                result = forward_backward(ddp, seq_samples, plan, pgs, device="cpu", loss=dpo)
             else:
                 plan = plan_step(lengths, plan_config)
-                result = run_step(
-                    ddp, seq_samples, plan, groups, normalization=cfg.get("normalization", "token_mean"), device="cpu"
-                )
+                nll = nll_loss(cfg.get("normalization", "token_mean"))
+                result = forward_backward(ddp, seq_samples, plan, pgs, loss=nll, device="cpu")
             grads = collect_full_grads(ddp, layer_offset)
             logprobs = None
             if cfg.get("logprobs"):
                 logprob_plan = plan_step(lengths, plan_config, forward_only=True)
-                logprobs = compute_logprobs(ddp, seq_samples, logprob_plan, groups, device="cpu")
+                logprobs = compute_logprobs(ddp, seq_samples, logprob_plan, pgs, device="cpu")
         # Stage grads from (dp, cp, tp) rank 0 of every stage, merged on global rank 0.
         mine = grads if (ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0) else {}
         if ps.get_tensor_model_parallel_rank() != 0:
@@ -352,21 +336,23 @@ def plan_mismatch_worker(rank, world_size):
     import torch.distributed as dist
 
     from mcore_packing.megatron import verify_plan_across_ranks
-    from mcore_packing.planning import StepPlanConfig, plan_step
+    from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
 
     lengths = [10, 20, 30, 40] + ([5] if rank == 1 else [])
-    plan = plan_step(lengths, StepPlanConfig(train_mb_tokens=64, dp_size=world_size))
+    plan = plan_step(lengths, StepPlanConfig(train_mb_tokens=64, layout=ParallelLayout(dp=world_size)))
     try:
         verify_plan_across_ranks(plan, dist.group.WORLD)
     except ValueError as exc:
         message = str(exc)
     else:
         message = None
-    same = plan_step([10, 20, 30, 40], StepPlanConfig(train_mb_tokens=64, dp_size=world_size))
+    same = plan_step([10, 20, 30, 40], StepPlanConfig(train_mb_tokens=64, layout=ParallelLayout(dp=world_size)))
     verify_plan_across_ranks(same, dist.group.WORLD)  # agreeing ranks pass
     # Same lengths, different group ids on rank 1 (e.g. a loader that paired samples differently).
     groups = [0, 0, 1, 1] if rank == 0 else [0, 1, 0, 1]
-    grouped = plan_step([10, 20, 30, 40], StepPlanConfig(train_mb_tokens=128, dp_size=world_size), groups=groups)
+    grouped = plan_step(
+        [10, 20, 30, 40], StepPlanConfig(train_mb_tokens=128, layout=ParallelLayout(dp=world_size)), groups=groups
+    )
     try:
         verify_plan_across_ranks(grouped, dist.group.WORLD)
     except ValueError as exc:
@@ -388,20 +374,22 @@ def _pg_loss(cfg, samples):
     )
 
 
-def _normalize_per_microbatch(schedule, num_microbatches: int) -> None:
+def _per_microbatch_loss(fn, num_microbatches: int):
     """Negative control: each micro-batch divided by its own token count, then micro-batches averaged
     (instead of one global token count)."""
+    from mcore_packing.megatron import PerSample
     from mcore_packing.megatron.prepare import per_sample_logprobs
 
-    def per_microbatch(prep, output, fn, groups, totals, *, per_token):
-        total, tokens = output.new_zeros((), dtype=torch.float32), 0.0
-        for sample_id, logprobs, mask in per_sample_logprobs(prep, output, groups):
-            if mask.sum() > 0:
-                total = total + fn(sample_id, logprobs, mask)
-                tokens += float(mask.sum())
-        return total / (max(tokens, 1.0) * groups.cp_size * num_microbatches)
+    class PerMicroBatch(PerSample):
+        def micro_batch_sum(self, prep, output, process_groups, totals):
+            total, tokens = output.new_zeros((), dtype=torch.float32), 0.0
+            for sample_id, logprobs, mask in per_sample_logprobs(prep, output, process_groups):
+                if mask.sum() > 0:
+                    total = total + self.fn(sample_id, logprobs, mask)
+                    tokens += float(mask.sum())
+            return total / (max(tokens, 1.0) * process_groups.cp_size * num_microbatches)
 
-    schedule.sample_loss_sum = per_microbatch
+    return PerMicroBatch(fn)
 
 
 def pg_reference_loss(logps, samples, *, ratio_clip_min, ratio_clip_max, ratio_clip_c=None,

@@ -25,9 +25,10 @@ LAYERS = {
     "thd": 3,
     "losses": 3,
     "megatron": 4,
-    "app": 5,
-    "__main__": 6,
-    "__init__": 6,
+    "rl": 5,
+    "app": 6,
+    "__main__": 7,
+    "__init__": 7,
 }
 TORCH_FREE = ("validators", "data", "packing", "planning")
 

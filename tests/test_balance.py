@@ -11,6 +11,7 @@ from mcore_packing.packing import cost_capped_first_fit
 from mcore_packing.planning import (
     CostModel,
     ModelShape,
+    ParallelLayout,
     StepPlanConfig,
     assign_balanced,
     assign_round_robin,
@@ -150,7 +151,12 @@ def test_plans_never_split_groups_never_exceed_the_cap_and_keep_equal_counts(bat
         ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, gated_mlp=True)
     )
     config = StepPlanConfig(
-        train_mb_tokens=200, dp_size=dp, balance=balance, cost_model=model, cost_budget=budget, microbatch_order=order
+        train_mb_tokens=200,
+        layout=ParallelLayout(dp=dp),
+        balance=balance,
+        cost_model=model,
+        cost_budget=budget,
+        microbatch_order=order,
     )
     assume(len(set(groups)) >= dp)  # every rank needs a group
     plan = plan_step(lengths, config, groups=groups)
@@ -170,7 +176,7 @@ def test_plans_never_split_groups_never_exceed_the_cap_and_keep_equal_counts(bat
 def test_dynamic_batches_keep_groups_whole_under_the_budget(batch, dp, balance):
     lengths, groups = batch
     assume(len(set(groups)) % dp == 0)  # then equal counts per rank are always reachable between groups
-    config = StepPlanConfig(mode="dynamic", train_mb_tokens=200, dp_size=dp, balance=balance)
+    config = StepPlanConfig(mode="dynamic", train_mb_tokens=200, layout=ParallelLayout(dp=dp), balance=balance)
     plan = plan_step(lengths, config, groups=groups)
     assert len({len(rank) for rank in plan.micro_batches}) == 1
     where = {}
@@ -187,7 +193,7 @@ def test_dynamic_batches_keep_groups_whole_under_the_budget(batch, dp, balance):
 
 def test_dynamic_groups_match_ungrouped_plans_when_every_group_is_one_sample():
     lengths = [50, 7, 33, 33, 120, 64, 1, 90, 18]
-    config = StepPlanConfig(mode="dynamic", train_mb_tokens=256, dp_size=2)
+    config = StepPlanConfig(mode="dynamic", train_mb_tokens=256, layout=ParallelLayout(dp=2))
     assert plan_step(lengths, config, groups=list(range(9))).micro_batches == plan_step(lengths, config).micro_batches
 
 
@@ -199,7 +205,10 @@ def test_cost_balance_beats_round_robin_on_long_tailed_32k():
     lengths = pool[: int(np.searchsorted(np.cumsum(pool), 0.97 * 64 * 32768))]
     results = {}
     for balance in ("round_robin", "cost"):
-        plan = plan_step(lengths, StepPlanConfig(train_mb_tokens=32768, dp_size=8, balance=balance, cost_model=model))
+        plan = plan_step(
+            lengths,
+            StepPlanConfig(train_mb_tokens=32768, layout=ParallelLayout(dp=8), balance=balance, cost_model=model),
+        )
         results[balance] = max_over_mean([sum(mb.cost for mb in rank) for rank in plan.micro_batches])
     assert results["cost"] <= 1.02 < results["round_robin"], results
 
@@ -210,7 +219,11 @@ def test_cost_balance_beats_round_robin_on_long_tailed_32k():
         ({"train_mb_tokens": 50}, {"groups": [0, 0, 1]}, "group 0 has 2 samples and 60 padded tokens"),
         ({"mode": "padded"}, {"groups": [0, 0, 1]}, "need mode='packing' or 'dynamic'"),
         ({"mode": "dynamic", "train_mb_tokens": 50}, {"groups": [0, 0, 1]}, "60 tokens as 2 rows of 30"),
-        ({"mode": "dynamic", "dp_size": 2}, {"groups": [0, 0, 0]}, "only 1 groups in the global batch"),
+        (
+            {"mode": "dynamic", "layout": ParallelLayout(dp=2)},
+            {"groups": [0, 0, 0]},
+            "only 1 groups in the global batch",
+        ),
         ({}, {"groups": [0, 1]}, "groups has 2 entries for 3 samples"),
         ({"cost_budget": 1.0}, {}, "below the costliest single sequence"),
     ],

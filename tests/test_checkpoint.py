@@ -270,9 +270,10 @@ def test_a_checkpoint_of_another_model_or_data_set_is_refused_naming_the_differe
     from mcore_packing.app.checkpoint import Checkpointer
     from mcore_packing.app.config import ConfigError, TrainConfig
     from mcore_packing.app.global_batches import GlobalBatchSampler
+    from mcore_packing.planning import ParallelLayout
 
     cfg = TrainConfig(run_dir=str(tmp_path))
-    checkpointer = Checkpointer(cfg, rank=0, world_size=1, fingerprint="abc")
+    checkpointer = Checkpointer(cfg, rank=0, layout=ParallelLayout(), fingerprint="abc")
     sampler = GlobalBatchSampler(48, 8, 1234)
     manifest = {
         "model_shape": _fake_setup().shape.to_dict(),
@@ -284,7 +285,7 @@ def test_a_checkpoint_of_another_model_or_data_set_is_refused_naming_the_differe
     with pytest.raises(ConfigError, match=r"model\.hidden_size: checkpoint 64, this run 128"):
         checkpointer.check_compatible(manifest, tmp_path, _fake_setup(hidden_size=128), sampler)
     with pytest.raises(ConfigError, match=r"another data set .* 48 vs 40 samples"):
-        other = Checkpointer(cfg, rank=0, world_size=1, fingerprint="def")
+        other = Checkpointer(cfg, rank=0, layout=ParallelLayout(), fingerprint="def")
         other.check_compatible(manifest, tmp_path, _fake_setup(), GlobalBatchSampler(40, 8, 1234))
     with pytest.raises(ConfigError, match=r"optimizer\.use_distributed_optimizer: checkpoint True"):
         checkpointer.check_compatible({**manifest, "distributed_optimizer": True}, tmp_path, _fake_setup(), sampler)

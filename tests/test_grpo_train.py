@@ -131,7 +131,7 @@ def _write(path, rows):
         (None, ["sequence_packing.enabled=false"], "grpo.keep_groups_together=true keeps a group in one micro-batch"),
         (None, ["sequence_packing.logprob_mb_tokens=96"], "Raise sequence_packing.logprob_mb_tokens (x cp) to"),
         (None, ["grpo.num_prompts_per_step=1", "cluster.gpus_per_node=2"], "fewer than the 2 data-parallel ranks"),
-        (None, ["grpo.num_minibatches=4"], "grpo.num_minibatches=4 is more than grpo.num_prompts_per_step=3"),
+        (None, ["grpo.num_minibatches=4"], "grpo.num_minibatches=4 is more than num_prompts_per_step=3"),
         (None, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c=0.5 must be > 1"),
         (None, ["loss_fn.kl_estimator=k2"], "loss_fn.kl_estimator must be one of k1, k3"),
         (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo"),

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mcore_packing.planning import StepPlanConfig, plan_step
+from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
 
 
 @st.composite
@@ -21,14 +21,10 @@ def plan_cases(draw):
     config = StepPlanConfig(
         mode=mode,
         train_mb_tokens=budget,
-        dp_size=dp,
-        cp_size=cp,
-        tp_size=tp,
-        sequence_parallel=sp,
+        layout=ParallelLayout(dp=dp, cp=cp, tp=tp, sequence_parallel=sp, pp=draw(st.sampled_from([1, 2]))),
         sequence_length_round=draw(st.sampled_from([1, 8])),
         microbatch_order=draw(st.sampled_from(["packer", "largest_first"])),
         algorithm=draw(st.sampled_from(["mffd", "ffd", "concatenative"])),
-        pp_size=draw(st.sampled_from([1, 2])),
     )
     capacity = config.row_capacity()
     multiple = config.length_multiple
@@ -43,7 +39,7 @@ def test_plan_invariants(case):
     config, lengths = case
     plan = plan_step(lengths, config)
     counts = {len(rank) for rank in plan.micro_batches}
-    assert len(plan.micro_batches) == config.dp_size and len(counts) == 1  # equal counts per DP rank
+    assert len(plan.micro_batches) == config.layout.dp and len(counts) == 1  # equal counts per DP rank
     order = plan.sample_order()
     assert sorted(order.tolist()) == list(range(len(lengths)))  # every sample exactly once
     assert np.array_equal(order[plan.inverse_permutation()], np.arange(len(lengths)))  # restores input order
@@ -52,7 +48,7 @@ def test_plan_invariants(case):
         for mb in rank:
             if config.mode != "padded":  # the padded baseline has fixed rows, not a token budget
                 assert mb.padded_tokens <= capacity  # budget respected (per GPU x cp)
-                assert mb.padded_tokens // config.cp_size <= config.train_mb_tokens
+                assert mb.padded_tokens // config.layout.cp <= config.train_mb_tokens
             assert mb.real_tokens == sum(lengths[i] for i in mb.sample_indices)
             if config.mode != "packing":
                 assert mb.shape[0] == len(mb.sample_indices)
@@ -68,7 +64,7 @@ def test_plan_invariants(case):
 
 
 def test_same_inputs_same_plan_and_fingerprint():
-    config = StepPlanConfig(train_mb_tokens=128, dp_size=2)
+    config = StepPlanConfig(train_mb_tokens=128, layout=ParallelLayout(dp=2))
     lengths = list(np.random.default_rng(0).integers(1, 100, 40))
     a, b = plan_step(lengths, config), plan_step(list(lengths), config)
     assert a == b and a.fingerprint() == b.fingerprint()
@@ -118,10 +114,14 @@ def test_logprob_budget_is_used_for_forward_only():
             [50, 120],
             "1 of 2 samples are longer than a micro-batch (100 tokens = train_mb_tokens 100 x cp 1)",
         ),
-        ({"train_mb_tokens": 64, "cp_size": 2}, [130], "Raise train_mb_tokens to at least 66"),
+        ({"train_mb_tokens": 64, "layout": ParallelLayout(cp=2)}, [130], "Raise train_mb_tokens to at least 66"),
         ({"train_mb_tokens": 100, "logprob_mb_tokens": 50}, [60], "(50 tokens = logprob_mb_tokens 50 x cp 1)"),
-        ({"mode": "dynamic", "dp_size": 4, "train_mb_tokens": 10}, [9, 9], "same number of micro-batches"),
-        ({"dp_size": 4}, [9, 9], "Cannot create 4 bins with only 2 sequences"),
+        (
+            {"mode": "dynamic", "layout": ParallelLayout(dp=4), "train_mb_tokens": 10},
+            [9, 9],
+            "same number of micro-batches",
+        ),
+        ({"layout": ParallelLayout(dp=4)}, [9, 9], "Cannot create 4 bins with only 2 sequences"),
         ({}, [], "global batch is empty"),
     ],
 )
@@ -138,13 +138,13 @@ def test_bad_plans(kwargs, lengths, fragment):
         ({"mode": "both"}, "mode must be one of packing, dynamic, padded"),
         ({"microbatch_order": "random"}, "microbatch_order"),
         ({"train_mb_tokens": 0}, "train_mb_tokens must be an integer >= 1"),
-        ({"dp_size": 0}, "dp_size"),
+        ({"layout": (2, 1)}, "must be a ParallelLayout"),
         ({"algorithm": "magic"}, "Valid names"),
         ({"mode": "dynamic", "fixed_length": True}, "fixed_length applies to packing"),
         ({"logprob_mb_tokens": -3}, "logprob_mb_tokens"),
     ],
 )
 def test_bad_configs(kwargs, fragment):
-    with pytest.raises(ValueError) as err:
+    with pytest.raises((ValueError, TypeError)) as err:
         StepPlanConfig(**kwargs)
     assert fragment in str(err.value)

@@ -10,6 +10,7 @@ import pytest
 from mcore_packing.app.config import TrainConfig, plan_config, validate_layout
 from mcore_packing.app.recipes import RECIPES, apply_packing, llama3_8b_sft_packed
 from mcore_packing.app.train_command import main
+from mcore_packing.planning import ParallelLayout
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -64,9 +65,9 @@ def test_refine_override_reaches_the_plan(capsys):
     assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.refine=maybe"]) == 2
 
     cfg = RECIPES["tiny_cpu_sft"]()
-    assert plan_config(cfg, 1).refine is None  # the algorithm's default
+    assert plan_config(cfg, ParallelLayout()).refine is None  # the algorithm's default
     off = dataclasses.replace(cfg, sequence_packing=dataclasses.replace(cfg.sequence_packing, refine=False))
-    assert plan_config(off, 1).refine is False
+    assert plan_config(off, ParallelLayout()).refine is False
 
 
 def test_apply_packing_is_pure_and_idempotent():

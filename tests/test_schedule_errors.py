@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from mcore_packing.megatron.schedule import _check_samples, _check_schedule_config
-from mcore_packing.megatron.unpacked_losses import sequence_loss_sum
-from mcore_packing.planning import StepPlanConfig, plan_step
+from mcore_packing.megatron.step_loss import PerSequence
+from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
 from mcore_packing.thd import SequenceSample
 
 from .distributed_harness import run_distributed
@@ -23,11 +23,11 @@ def test_ranks_with_different_plans_raise_instead_of_hanging():
 
 
 def test_dynamic_with_pp_needs_variable_seq_lengths():
-    plan = plan_step([5, 9, 12, 3], StepPlanConfig(mode="dynamic", train_mb_tokens=32, pp_size=2))
+    plan = plan_step([5, 9, 12, 3], StepPlanConfig(mode="dynamic", train_mb_tokens=32, layout=ParallelLayout(pp=2)))
     with pytest.raises(ValueError, match="Dynamic batching with pipeline parallelism needs variable"):
         _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=False))
     _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=True))
-    plan = plan_step([5, 9], StepPlanConfig(train_mb_tokens=32, pp_size=2, fixed_length=False))
+    plan = plan_step([5, 9], StepPlanConfig(train_mb_tokens=32, layout=ParallelLayout(pp=2), fixed_length=False))
     with pytest.raises(ValueError, match="fixed_length=True"):
         _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=False))
 
@@ -47,11 +47,11 @@ def test_sequence_loss_with_wrong_shape_names_what_was_expected():
     prep = types.SimpleNamespace(
         packed=batch, full_loss_mask=batch.loss_mask[0], sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths
     )
-    groups = types.SimpleNamespace(cp_size=1)
+    process_groups = types.SimpleNamespace(cp_size=1)
     output = torch.rand(1, batch.total_tokens)
     with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor for each sequence, got \(2,\)"):
-        sequence_loss_sum(prep, output, lambda lp, m: lp * m, groups, StepTotals(3, 2))
-    value = sequence_loss_sum(prep, output, lambda lp, m: (lp * m).sum(), groups, StepTotals(3, 2))
+        PerSequence(lambda lp, m: lp * m).micro_batch_sum(prep, output, process_groups, StepTotals(3, 2))
+    value = PerSequence(lambda lp, m: (lp * m).sum()).micro_batch_sum(prep, output, process_groups, StepTotals(3, 2))
     assert value.dim() == 0
 
 
@@ -59,9 +59,9 @@ def test_nemo_rl_sections():
     config = StepPlanConfig.from_nemo_rl(
         sequence_packing={"enabled": True, "train_mb_tokens": 512, "algorithm": "modified_first_fit_decreasing"},
         dynamic_batching={"enabled": False},
-        dp_size=2,
+        layout=ParallelLayout(dp=2),
     )
-    assert config.mode == "packing" and config.train_mb_tokens == 512 and config.dp_size == 2
+    assert config.mode == "packing" and config.train_mb_tokens == 512 and config.layout.dp == 2
     config = StepPlanConfig.from_nemo_rl(dynamic_batching={"enabled": True, "train_mb_tokens": 256})
     assert config.mode == "dynamic"
     with pytest.raises(ValueError, match=r"both true\. They are two ways"):

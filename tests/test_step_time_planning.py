@@ -7,7 +7,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from mcore_packing.planning import CostModel, ModelShape, StepPlanConfig, micro_batch_cost, plan_step
+from mcore_packing.planning import CostModel, ModelShape, ParallelLayout, StepPlanConfig, micro_batch_cost, plan_step
 from mcore_packing.planning.pipeline import best_pipeline_order, pipeline_lower_bound, simulate_1f1b
 from mcore_packing.planning.rebalance import rebalance_units
 
@@ -26,7 +26,7 @@ def test_rebalanced_plans_keep_every_hard_limit(lengths, dp, grouped, seed):
     if grouped:
         groups = np.random.default_rng(seed).integers(0, len(lengths) // 2 + 1, size=len(lengths)).tolist()
         assume(len(set(groups)) >= dp and max(np.bincount(groups, weights=lengths)) <= 512)
-    config = StepPlanConfig(train_mb_tokens=512, dp_size=dp, cost_model=MODEL)
+    config = StepPlanConfig(train_mb_tokens=512, layout=ParallelLayout(dp=dp), cost_model=MODEL)
     try:
         plan = plan_step(lengths, config, groups=groups)
     except ValueError as exc:  # too few groups to give every rank the same number of rows: refused by design
@@ -43,7 +43,9 @@ def test_rebalanced_plans_keep_every_hard_limit(lengths, dp, grouped, seed):
     assert all(len(places) == 1 for places in where.values())  # groups never split
     # Never worse than round-robin rows: the row assignment never is, and the rebalancer only lowers the max.
     rows = plan_step(
-        lengths, StepPlanConfig(train_mb_tokens=512, dp_size=dp, cost_model=MODEL, balance="round_robin"), groups=groups
+        lengths,
+        StepPlanConfig(train_mb_tokens=512, layout=ParallelLayout(dp=dp), cost_model=MODEL, balance="round_robin"),
+        groups=groups,
     )
     assert max(plan.rank_costs()) <= max(rows.rank_costs()) * (1 + 1e-9)
 
@@ -88,17 +90,17 @@ def test_pipeline_order_puts_a_cheap_micro_batch_first():
 
 @pytest.mark.parametrize(
     "mode, layout",
-    [("packing", {}), ("packing", {"cp_size": 2, "tp_size": 2, "sequence_parallel": True}),
-     ("packing", {"pp_size": 2}), ("dynamic", {}), ("padded", {})],
+    [("packing", {}), ("packing", {"cp": 2, "tp": 2, "sequence_parallel": True}),
+     ("packing", {"pp": 2}), ("dynamic", {}), ("padded", {})],
 )  # fmt: skip
 def test_micro_batch_costs_equal_the_per_micro_batch_reference(mode, layout):
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 700, size=90)
     model = CostModel(linear=3.0, quadratic=0.01, per_microbatch=50.0)
-    config = StepPlanConfig(mode=mode, train_mb_tokens=2048, dp_size=3, cost_model=model, **layout)
+    config = StepPlanConfig(mode=mode, train_mb_tokens=2048, layout=ParallelLayout(dp=3, **layout), cost_model=model)
     plan = plan_step(lengths, config)
     padded = config.padded_lengths(lengths)
     for mb in (mb for rank in plan.micro_batches for mb in rank):
-        want = micro_batch_cost(padded[list(mb.sample_indices)], mb.shape, mode, config.cp_size, model)
+        want = micro_batch_cost(padded[list(mb.sample_indices)], mb.shape, mode, config.layout.cp, model)
         assert mb.cost == pytest.approx(want, rel=1e-12)
         assert mb.real_tokens == int(lengths[list(mb.sample_indices)].sum())

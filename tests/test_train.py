@@ -153,7 +153,7 @@ def test_valid_config_passes_the_same_checks(tmp_path):
     from mcore_packing.app.trainer import prepare_run
 
     inputs = prepare_run(compose_config(None, [*SMALL, f"run_dir={tmp_path}"]), 2)
-    assert inputs.dp == 2 and inputs.step_config.mode == "packing" and 8 <= len(inputs.lengths) <= 48
+    assert inputs.layout.dp == 2 and inputs.step_config.mode == "packing" and 8 <= len(inputs.lengths) <= 48
 
 
 def test_a_config_error_exits_2_from_the_command_line(tmp_path):

@@ -64,9 +64,9 @@ def data_fingerprint(samples, extra: list | None = None) -> str:
     return digest.hexdigest()[:32]
 
 
-def _layout(cfg: TrainConfig, world_size: int) -> dict:
-    par = cfg.parallel
-    return {"tp": par.tp, "pp": par.pp, "cp": par.cp, "dp": world_size // par.model_parallel_size}
+def _layout(layout) -> dict:
+    """The manifest's layout record (the keys format 2 wrote: tp, pp, cp, dp)."""
+    return {key: getattr(layout, key) for key in ("tp", "pp", "cp", "dp")}
 
 
 def read_manifest(folder: Path) -> dict:
@@ -152,13 +152,13 @@ class Checkpointer:
     """Saves every ``training.save_interval`` steps and after the last; `resume` restores the newest
     complete checkpoint (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, world_size: int, fingerprint: str):
+    def __init__(self, cfg: TrainConfig, rank: int, layout, fingerprint: str):
         self.cfg = cfg
         self.folder = checkpoint_folder(cfg)
         self.interval = cfg.training.save_interval
         self.keep_last = cfg.training.keep_last
         self.rank = rank
-        self.layout = _layout(cfg, world_size)
+        self.layout = _layout(layout)
         self.fingerprint = fingerprint
 
     def due(self, step: int, last_step: int) -> bool:
@@ -174,7 +174,7 @@ class Checkpointer:
             "format_version": FORMAT_VERSION,
             "step": step,
             "sampler": sampler.state_dict(),
-            "scheduler": setup.scheduler.state_dict(),
+            "scheduler": setup.policy.scheduler.state_dict(),
             "model_shape": setup.shape.to_dict(),
             "hf_path": self.cfg.model.hf_path,
             "data_fingerprint": self.fingerprint,
@@ -196,7 +196,7 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
         dist.barrier()
-        save_training_state(partial, setup.model, setup.optimizer)
+        save_training_state(partial, setup.policy.model, setup.policy.optimizer)
         dist.barrier()
         if self.rank == 0:
             manifest = self._manifest(step, setup, sampler)
@@ -254,7 +254,7 @@ class Checkpointer:
         manifest = read_manifest(folder)
         self.check_compatible(manifest, folder, setup, sampler)
         same_layout = manifest["layout"] == self.layout
-        load_training_state(folder, setup.model, setup.optimizer, restore_rng=same_layout)
-        setup.scheduler.load_state_dict(manifest["scheduler"])
+        load_training_state(folder, setup.policy.model, setup.policy.optimizer, restore_rng=same_layout)
+        setup.policy.scheduler.load_state_dict(manifest["scheduler"])
         sampler.load_state_dict(manifest["sampler"])
         return int(manifest["step"])

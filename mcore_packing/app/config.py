@@ -20,8 +20,9 @@ from typing import Any
 
 from ..data.sft import LONG_SAMPLE_POLICIES
 from ..losses import ClippedPGConfig
-from ..planning import BALANCES, ORDERS, CostModel, ModelShape, StepPlanConfig
+from ..planning import BALANCES, ORDERS, CostModel, ModelShape, ParallelLayout, StepPlanConfig
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
+from ..rl.config import GRPOConfig
 from ..validators import require_choice, require_positive_int
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # Megatron's OptimizerParamScheduler
@@ -173,21 +174,28 @@ class ParallelConfig:
     def __post_init__(self):
         _positive("parallel", self, "tp", "pp", "cp")
         _positive("parallel", self, "make_sequence_length_divisible_by", allow_none=True)
-        if self.sequence_parallel and self.tp == 1:
-            raise ConfigError("parallel.sequence_parallel=true needs parallel.tp > 1 (it splits tokens over TP ranks).")
-        cp_multiple = 2 * self.cp if self.cp > 1 else 1
+        unit = self.layout()  # the layout's own checks (sequence parallelism needs TP)
+        cp_multiple = unit.sequence_multiple
         divisible_by = self.make_sequence_length_divisible_by
         if divisible_by is not None and divisible_by % cp_multiple:
-            required = cp_multiple * (self.tp if self.sequence_parallel else 1)
             raise ConfigError(
                 f"parallel.make_sequence_length_divisible_by={divisible_by} is incompatible with parallel.cp="
                 f"{self.cp}: every sequence is cut into 2*cp={cp_multiple} chunks. Use a multiple of {cp_multiple} "
-                f"(or leave it unset: the minimal multiple, {required}, is derived automatically)."
+                f"(or leave it unset: the minimal multiple is derived automatically)."
             )
 
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
+    def layout(self, world_size: int | None = None) -> ParallelLayout:
+        """The `ParallelLayout` of these keys on ``world_size`` ranks (DP is what remains; None: one
+        replica). Errors name the keys."""
+        try:
+            return ParallelLayout.for_world(
+                self.tp * self.pp * self.cp if world_size is None else world_size, tp=self.tp, pp=self.pp,
+                cp=self.cp, sequence_parallel=self.sequence_parallel,
+                keys="parallel.tp x parallel.pp x parallel.cp",
+            )  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("sequence_parallel=true needs tp", "parallel.sequence_parallel=true "
+                                               "needs parallel.tp")) from None  # fmt: skip
 
 
 def _number(group: str, obj, name: str, *, low: float, high: float | None = None, open_low: bool = False) -> None:
@@ -281,35 +289,6 @@ class TrainingConfig:
 
 
 @dataclass
-class GRPOConfig:
-    """``algorithm=grpo``: the policy step on rollouts an inference engine wrote (NeMo-RL's ``grpo`` keys).
-
-    Each step takes ``num_prompts_per_step`` groups (all responses to one prompt) from ``rollouts``, drawn
-    like SFT samples (seeded order, epochs, resumable). The loss is the ``loss_fn`` group."""
-
-    rollouts: str | None = None  # JSONL: prompt_tokens, response_tokens, reward, group_id[, generation_logprobs]
-    num_prompts_per_step: int = 32
-    num_generations_per_prompt: int | None = None  # when set, every group must have exactly this many responses
-    use_leave_one_out_baseline: bool = False  # baseline: the mean of the group's other rewards
-    normalize_rewards: bool = True  # divide advantages by the group's reward standard deviation
-    keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass
-    num_minibatches: int = 1  # optimizer steps per GRPO step, each on whole groups against the same old log-probs
-
-    def __post_init__(self):
-        _positive("grpo", self, "num_prompts_per_step", "num_minibatches")
-        if self.num_minibatches > self.num_prompts_per_step:
-            raise ConfigError(
-                f"grpo.num_minibatches={self.num_minibatches} is more than grpo.num_prompts_per_step="
-                f"{self.num_prompts_per_step}: a minibatch holds whole groups. Lower it."
-            )
-        _positive("grpo", self, "num_generations_per_prompt", allow_none=True)
-        if self.num_generations_per_prompt == 1:
-            raise ConfigError(
-                "grpo.num_generations_per_prompt=1: GRPO compares several responses per prompt; use >= 2."
-            )
-
-
-@dataclass
 class LoggingConfig:
     log_interval: int = 1
     progress_bar: bool = True
@@ -381,27 +360,23 @@ GROUPS = {
 }
 
 
-def validate_layout(cfg: TrainConfig, world_size: int) -> int:
-    """Checks that span groups or need the world size; returns the data-parallel size."""
+def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
+    """Checks that span groups or need the world size; returns the run's layout."""
     par = cfg.parallel
-    if world_size % par.model_parallel_size:
-        raise ConfigError(
-            f"World size {world_size} does not factor into parallel.tp x parallel.pp x parallel.cp x DP = "
-            f"{par.tp} x {par.pp} x {par.cp} x DP. Launch a multiple of {par.model_parallel_size} ranks, or change "
-            "tp/pp/cp."
-        )
+    layout = par.layout(world_size)
     if par.pp > 1 and cfg.dynamic_batching.enabled and not par.variable_seq_lengths:
         raise ConfigError(
             "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "
             "have different shapes."
         )
     cfg.optimizer.decay_iters(cfg.optimizer_steps)  # the LR decay must end after the warmup
-    return world_size // par.model_parallel_size
+    return layout
 
 
-def plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None) -> StepPlanConfig:
-    """The step planner's config for this run (the one config -> plan translation). Without packing or
-    dynamic batching, ``padded`` mode sized to hold ``padded_micro_batch_rows`` of the longest samples."""
+def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None = None) -> StepPlanConfig:
+    """The step planner's config for this run on ``layout`` (the one config -> plan translation). Without
+    packing or dynamic batching, ``padded`` mode sized to hold ``padded_micro_batch_rows`` of the longest
+    samples."""
     par, training = cfg.parallel, cfg.training
     rows = training.padded_micro_batch_rows
     padded = {
@@ -417,11 +392,7 @@ def plan_config(cfg: TrainConfig, dp: int, vocab_size: int | None = None) -> Ste
             sequence_length_divisible_by=par.make_sequence_length_divisible_by,
             balance=training.balance,
             cost_model=CostModel.from_shape(shape),
-            dp_size=dp,
-            tp_size=par.tp,
-            pp_size=par.pp,
-            cp_size=par.cp,
-            sequence_parallel=par.sequence_parallel,
+            layout=layout,
             fixed_length=False if par.variable_seq_lengths else None,
         )
     except ValueError as exc:

@@ -49,7 +49,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     shape = ModelShape(**manifest["model_shape"])
     init_distributed("gloo")
     with cpu_device_adapter(force=True):
-        initialize_parallel(tp=1, pp=1, cp=1, seed=0)
+        initialize_parallel(seed=0)
         trained_dtype = getattr(torch, manifest["config"]["model"]["dtype"])
         model, _ = build_gpt_model(shape, dtype=trained_dtype, device="cpu")
         load_training_state(folder, model, None, restore_rng=False)

@@ -9,7 +9,7 @@ the reward is 1 for an exact answer, else 0. A tiny Megatron GPTModel (the train
 optimizer, the packed path) first learns the answer format in a short SFT warm-up (stopped long before it
 knows the table: the reward starts near 0), then samples ``--samples`` responses per prompt from itself
 (temperature 1, a plain sampling loop, BSHD forwards without a KV cache) and takes GRPO steps
-(`app.rl_step.rl_step`) on them. No download. The mean reward per step goes to the log and
+(`rl.rl_step`) on them. No download. The mean reward per step goes to the log and
 ``<run_dir>/metrics.jsonl``.
 
 Sampling from Megatron here runs on one rank (TP = PP = 1); at scale, generation is the user's inference
@@ -95,15 +95,15 @@ def _sft_sample(a: int, b: int):
 
 def _warm_up(setup, steps: int, pairs: list[tuple[int, int]], rng, plan_config) -> list[float]:
     """A short SFT on correct answers: the answer format, and a start on the table (far from learned)."""
+    from ..megatron import TokenMeanNLL, train_step
     from ..planning import plan_step
-    from .step import train_step
 
     losses = []
     for _ in range(steps):
         batch = [pairs[i] for i in rng.integers(0, len(pairs), 64)]
         samples = [_sft_sample(a, b) for a, b in batch]
         plan = plan_step([len(s.tokens) for s in samples], plan_config)
-        losses.append(train_step(setup, samples, plan, normalization="token_mean").result.loss)
+        losses.append(train_step(setup.policy, samples, plan, loss=TokenMeanNLL()).result.loss)
     return losses
 
 
@@ -113,8 +113,8 @@ def run_grpo(*, run_dir: str, steps: int = 60, warmup_steps: int = 10, prompts: 
     from ..losses import ClippedPGConfig
     from ..losses.rollouts import Rollout
     from ..planning import ModelShape, StepPlanConfig
+    from ..rl import rl_step
     from .model_setup import default_device, device_context, setup_training
-    from .rl_step import rl_step
 
     cfg = _config(run_dir, lr, seed)
     shape: ModelShape = cfg.model.shape(VOCAB)
@@ -132,7 +132,7 @@ def run_grpo(*, run_dir: str, steps: int = 60, warmup_steps: int = 10, prompts: 
             for step in range(1, steps + 1):
                 chosen = [sums[i] for i in rng.integers(0, len(sums), prompts)]
                 asked = [p for p in chosen for _ in range(samples)]
-                responses = _sample(setup.model, [encode_prompt(a, b) for a, b in asked], rng)
+                responses = _sample(setup.policy.model, [encode_prompt(a, b) for a, b in asked], rng)
                 rollouts = [
                     Rollout(
                         prompt_tokens=encode_prompt(a, b),
@@ -142,7 +142,7 @@ def run_grpo(*, run_dir: str, steps: int = 60, warmup_steps: int = 10, prompts: 
                     )
                     for i, ((a, b), r) in enumerate(zip(asked, responses, strict=True))
                 ]
-                result = rl_step(setup, None, rollouts, plan_config, loss=loss_config)
+                result = rl_step(setup.policy, rollouts, plan_config, loss=loss_config)
                 record = {"step": step, **result.metrics, "loss": result.loss,
                           "logprob_seconds": result.logprob_seconds, "train_seconds": result.train_seconds}  # fmt: skip
                 f.write(json.dumps(record) + "\n")

@@ -2,7 +2,8 @@
 its learning-rate schedule.
 
 `setup_training` is the one place the trainer builds these, so changing the optimizer (or how the model
-is made) touches only this module.
+is made) touches only this module; `build_model` maps the config onto `megatron.build_policy`, the one
+builder of the policy and of the GRPO reference.
 """
 
 from __future__ import annotations
@@ -10,23 +11,20 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from functools import partial
 
 from ..planning import ModelShape
 from .config import TrainConfig
 
-__all__ = ["TrainingSetup", "default_device", "device_context", "init_distributed", "setup_training"]
+__all__ = ["TrainingSetup", "build_model", "default_device", "device_context", "init_distributed", "setup_training"]
 
 
 @dataclass
 class TrainingSetup:
-    """What a training loop needs: the (Megatron DDP-wrapped) model, Megatron's optimizer and
-    ``OptimizerParamScheduler``, the process groups and the device."""
+    """What a training loop needs: the `megatron.Policy` (model, Megatron's optimizer and LR schedule,
+    process groups, device), this rank, the world size and the model's shape."""
 
-    model: object
-    optimizer: object
-    scheduler: object
-    groups: object
-    device: object
+    policy: object
     rank: int
     world_size: int
     shape: ModelShape
@@ -73,64 +71,58 @@ def device_context(device):
 
 
 def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
-    """Distributed start, parallel groups, the GPTModel of ``shape`` (with the weights of
-    ``model.hf_path`` when set), Megatron's optimizer and LR schedule (``cfg.optimizer``). Call inside
-    `device_context`."""
-    import torch
+    """Distributed start, parallel groups, the policy of ``shape`` (with the weights of ``model.hf_path``
+    when set), Megatron's optimizer and LR schedule (``cfg.optimizer``). Call inside `device_context`."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from ..megatron import ParallelGroups, build_gpt_model, initialize_parallel
-    from ..megatron.hf_weights import load_hf_weights
+    from ..megatron import initialize_parallel
 
-    par, opt = cfg.parallel, cfg.optimizer
-    dtype = getattr(torch, cfg.model.dtype)  # float32 | bfloat16 | float16
     init_distributed(cfg.cluster.backend)
-    initialize_parallel(tp=par.tp, pp=par.pp, cp=par.cp, seed=cfg.training.seed)
-    device = default_device()
-    model, _ = build_gpt_model(
+    layout = cfg.parallel.layout(dist.get_world_size())
+    initialize_parallel(layout, seed=cfg.training.seed)
+    policy = build_model(cfg, shape, layout, optimizer=partial(_optimizer_and_scheduler, cfg))
+    if cfg.model.hf_path is not None and dist.get_rank() == 0:
+        print(f"[rank 0] loaded {policy.info['tensors_read']} tensors from {cfg.model.hf_path}", flush=True)
+    return TrainingSetup(policy=policy, rank=dist.get_rank(), world_size=dist.get_world_size(), shape=shape)
+
+
+def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None):
+    """`megatron.build_policy` with this config's model, parallel and optimizer keys: the policy (with
+    ``optimizer``) or its frozen reference (the same starting weights: ``model.hf_path``, else the same
+    seeded initialization)."""
+    import torch
+
+    from ..megatron import build_policy
+
+    dtype = getattr(torch, cfg.model.dtype)  # float32 | bfloat16 | float16
+    return build_policy(
         shape,
-        tp=par.tp,
-        pp=par.pp,
-        cp=par.cp,
-        sequence_parallel=par.sequence_parallel,
-        variable_seq_lengths=par.variable_seq_lengths,
+        layout,
+        device=default_device(),
+        seed=cfg.training.seed,
         dtype=dtype,
         attention_backend=cfg.model.attention_backend,
-        seed=cfg.training.seed,
-        device=device,
-        use_distributed_optimizer=opt.use_distributed_optimizer,
-        grad_reduce_in_fp32=opt.grad_reduce_in_fp32 and dtype != torch.float32,
-    )
-    if cfg.model.hf_path is not None:
-        stats = load_hf_weights(
-            model, shape, cfg.model.hf_path, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=par.tp
-        )
-        if dist.get_rank() == 0:
-            print(f"[rank 0] loaded {stats['tensors_read']} tensors from {cfg.model.hf_path}", flush=True)
-    optimizer, scheduler = _optimizer_and_scheduler(cfg, model, dtype)
-    return TrainingSetup(
-        model=model,
+        variable_seq_lengths=cfg.parallel.variable_seq_lengths,
+        hf_path=cfg.model.hf_path,
         optimizer=optimizer,
-        scheduler=scheduler,
-        groups=ParallelGroups.from_megatron(),
-        device=device,
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        shape=shape,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32 and dtype != torch.float32,
     )
 
 
-def _optimizer_and_scheduler(cfg: TrainConfig, model, dtype):
+def _optimizer_and_scheduler(cfg: TrainConfig, model):
     """Megatron's optimizer from ``cfg.optimizer`` (the keys `build_optimizer` takes, by name) and its
     LR schedule."""
     import inspect
     from dataclasses import asdict
 
+    import torch
+
     from ..megatron.optimizer import build_optimizer, build_scheduler
 
     opt = cfg.optimizer
     takes = inspect.signature(build_optimizer).parameters
+    dtype = getattr(torch, cfg.model.dtype)
     optimizer = build_optimizer(model, dtype=dtype, **{k: v for k, v in asdict(opt).items() if k in takes})
     scheduler = build_scheduler(
         optimizer,

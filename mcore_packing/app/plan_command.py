@@ -32,7 +32,17 @@ import numpy as np
 
 from ..data.real_text import REAL_CORPORA, real_corpus_lengths
 from ..packing import DEFAULT_ALGORITHM, PackingMetrics, get_packer, resolve_algorithm
-from ..planning import BALANCES, MODES, ORDERS, CostModel, ModelShape, StepPlanConfig, recommend_budget, summarize
+from ..planning import (
+    BALANCES,
+    MODES,
+    ORDERS,
+    CostModel,
+    ModelShape,
+    ParallelLayout,
+    StepPlanConfig,
+    recommend_budget,
+    summarize,
+)
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
@@ -114,7 +124,7 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     ax = axes[0, 0]
     ax.hist(lengths, bins=60, color="#4C72B0")
     ax.set_yscale("log")
-    ax.axvline(config.row_capacity() / config.cp_size * config.cp_size, color="k", ls="--", lw=1, label="row capacity")
+    ax.axvline(config.row_capacity(), color="k", ls="--", lw=1, label="row capacity")
     ax.set(title=f"sequence lengths ({source}, n={lengths.size:,})", xlabel="tokens", ylabel="sequences (log)")
     ax.legend()
     ax = axes[0, 1]
@@ -122,7 +132,7 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     what = "real tokens / row capacity" if config.mode == "packing" else "real / computed tokens"
     ax.set(title=f"micro-batch fill ({config.mode}): {what}", xlabel="fill", ylabel="micro-batches")
     ax = axes[1, 0]
-    ranks = np.arange(config.dp_size)
+    ranks = np.arange(config.layout.dp)
     tokens = np.asarray(summary["_rank_tokens"])
     cost = np.asarray(summary["_rank_cost"])
     ax.bar(ranks - 0.2, tokens / tokens.mean(), width=0.4, label="tokens")
@@ -131,7 +141,7 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     ax.set(title="load per data-parallel rank / mean (all steps)", xlabel="DP rank", ylabel="relative load")
     ax.legend()
     ax = axes[1, 1]
-    labels = ["pad to longest\n(4 rows)", f"{config.mode}", "pad to\ncapacity"]
+    labels = [f"pad to longest\n({config.padded_rows} rows)", f"{config.mode}", "pad to\ncapacity"]
     shares = [
         summary["useful_share_pad_to_longest"],
         summary["useful_share_planned"],
@@ -148,7 +158,7 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mcore_packing.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m mcore_packing plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--corpus", choices=REAL_CORPORA, help="built-in real corpus (default: champ)")
@@ -256,11 +266,7 @@ def _config_from_args(args, model: CostModel) -> StepPlanConfig:
             train_mb_tokens=args.mb_tokens,
             algorithm=args.algorithm,
             refine=_REFINE[args.refine],
-            dp_size=args.dp,
-            tp_size=args.tp,
-            pp_size=args.pp,
-            cp_size=args.cp,
-            sequence_parallel=args.sp,
+            layout=ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp),
             padded_rows=args.micro_batch_size,
             balance=args.balance,
             microbatch_order=args.order,
@@ -328,6 +334,7 @@ def _document(args, source, lengths, config: StepPlanConfig, shape: ModelShape, 
             "pp": args.pp,
             "cp": args.cp,
             "sp": args.sp,
+            "padded_rows": config.padded_rows,
             "balance": args.balance,
             "model_shape": shape.to_dict(),
         },
@@ -357,8 +364,8 @@ def _print_text(doc: dict) -> None:
     )
     print(
         f"  useful share of computed tokens: {s['useful_share_planned']:.3f} planned vs "
-        f"{s['useful_share_pad_to_longest']:.3f} pad-to-longest (4 rows) vs {s['useful_share_pad_to_capacity']:.3f} "
-        "pad-to-capacity"
+        f"{s['useful_share_pad_to_longest']:.3f} pad-to-longest ({c['padded_rows']} rows) vs "
+        f"{s['useful_share_pad_to_capacity']:.3f} pad-to-capacity"
     )
     print(
         f"  padding saved: {s['padding_saved_vs_pad_to_longest']:.1%} of pad-to-longest's, "

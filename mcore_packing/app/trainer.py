@@ -2,12 +2,13 @@
 
     data      = load_data(cfg)                         SFT samples + vocabulary (`mcore_packing.data.sft`),
                                                        or GRPO rollouts grouped by prompt (`rollout_data`)
-    plan cfg  = config.plan_config(cfg, dp)            the one config -> planner translation
+    layout    = config.validate_layout(cfg, world)     the run's ParallelLayout (world size checked)
+    plan cfg  = config.plan_config(cfg, layout)        the one config -> planner translation
     setup     = model_setup.setup_training(cfg, vocab) distributed, model, Megatron optimizer + LR schedule
     resume    = checkpoint.resume_folder(cfg)          newest complete checkpoint (resume=true|auto)
     each step: sampler.next_batch -> the algorithm's step -> metrics.log_step -> checkpointer
-               sft:  plan_step -> step.train_step (NLL)
-               grpo: rl_step.rl_step (log-prob pass, then the clipped policy gradient through train_step)
+               sft:  plan_step -> megatron.train_step (NLL)
+               grpo: rl.rl_step (log-prob pass, then the clipped policy gradient through train_step)
     stop      = stop_request.StopRequest               a cluster's "save and exit" (Slurm --signal)
 
 Every rank loads the same samples, draws the same global batch from a seeded sampler (samples for SFT,
@@ -25,14 +26,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..data.sft import SftData, load_sft_data
-from ..planning import ModelShape, StepPlanConfig, plan_step
+from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
 from .checkpoint import Checkpointer, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
-from .model_setup import TrainingSetup, default_device, device_context, setup_training
+from .model_setup import TrainingSetup, build_model, default_device, device_context, setup_training
 from .rollout_data import RolloutData, load_rollout_data
-from .step import train_step
 from .stop_request import StopRequest
 
 __all__ = ["RunInputs", "dry_run", "load_data", "prepare_run", "quiet_megatron_on_cpu", "train"]
@@ -53,11 +53,11 @@ def load_data(cfg: TrainConfig) -> SftData | RolloutData:
 
 @dataclass(frozen=True)
 class RunInputs:
-    """What a run needs before any torch or Megatron: the data-parallel size, the planner config, the
+    """What a run needs before any torch or Megatron: the parallel layout, the planner config, the
     samples and their lengths, and what a step draws: ``units`` (samples, or GRPO groups) of which
     ``batch_units`` per step."""
 
-    dp: int
+    layout: ParallelLayout
     step_config: StepPlanConfig
     data: SftData | RolloutData
     lengths: list[int]
@@ -73,8 +73,8 @@ class RunInputs:
 
 def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> RunInputs:
     """Every check that needs no Megatron, in the order a user fixes them (errors come in a second)."""
-    dp = validate_layout(cfg, world_size)
-    step_config = plan_config(cfg, dp)
+    layout = validate_layout(cfg, world_size)
+    step_config = plan_config(cfg, layout)
     if cfg.model.family != "gpt" and cfg.model.hf_path is None and not dry_run:
         raise ConfigError(
             f"model.family={cfg.model.family} describes a pretrained model: set model.hf_path=/path/to/hf_folder "
@@ -96,16 +96,16 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     else:
         units, batch_units = len(lengths), cfg.training.global_batch_size
         GlobalBatchSampler(units, batch_units, cfg.training.seed)  # batch <= data set
-    return RunInputs(dp=dp, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
+    return RunInputs(layout=layout, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
                      units=units, batch_units=batch_units)  # fmt: skip
 
 
 def _check_groups_fit(step_config: StepPlanConfig, data: RolloutData, lengths: list[int], prompts: int) -> None:
     """Every group must fit one micro-batch of the log-prob pass, and every DP rank needs a group of its
     own (grpo.keep_groups_together)."""
-    if prompts < step_config.dp_size:
+    if prompts < step_config.layout.dp:
         raise ConfigError(
-            f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.dp_size} data-parallel ranks: with "
+            f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
             "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
         )
     section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
@@ -150,12 +150,12 @@ def train(cfg: TrainConfig) -> dict:
         _announce(cfg, setup, inputs.data, inputs.step_config.mode)
         summary["rank"] = setup.rank
         extra = inputs.data.fingerprint_extra() if isinstance(inputs.data, RolloutData) else None
-        checkpointer = Checkpointer(cfg, setup.rank, setup.world_size, data_fingerprint(inputs.data.samples, extra))
+        checkpointer = Checkpointer(cfg, setup.rank, inputs.layout, data_fingerprint(inputs.data.samples, extra))
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
         take_step = _grpo_steps(cfg, inputs, setup) if cfg.algorithm == "grpo" else _sft_steps(cfg, inputs, setup)
-        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.device)
+        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.policy.device)
         for step in range(start + 1, cfg.training.steps + 1):
             batch_ids = inputs.sample_ids(sampler.next_batch())
             plan, outcome, extra_metrics = take_step(batch_ids)
@@ -179,10 +179,14 @@ def train(cfg: TrainConfig) -> dict:
 def _sft_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
     """SFT: ``take_step(sample_ids) -> (plan, StepOutcome, extra metrics)`` with the NLL."""
 
+    from ..megatron import nll_loss, train_step
+
+    loss = nll_loss(cfg.training.loss_normalization)
+
     def take_step(batch_ids: list[int]):
         plan = plan_step([inputs.lengths[i] for i in batch_ids], inputs.step_config)
         samples = [inputs.data.samples[i] for i in batch_ids]
-        return plan, train_step(setup, samples, plan, normalization=cfg.training.loss_normalization), None
+        return plan, train_step(setup.policy, samples, plan, loss=loss), None
 
     return take_step
 
@@ -190,15 +194,16 @@ def _sft_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
 def _grpo_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
     """GRPO: ``take_step(rollout_ids)`` runs `rl_step` on those rollouts (whole groups). The reference
     policy is built once, from the policy's starting weights, only when the KL penalty needs it."""
-    from .rl_step import build_reference_model, rl_step
+    from ..rl import rl_step
 
     reference = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        reference = build_reference_model(cfg, inputs.shape, setup.device)
+        reference = build_model(cfg, inputs.shape, inputs.layout)
 
     def take_step(batch_ids: list[int]):
         rollouts = [inputs.data.rollouts[i] for i in batch_ids]
-        result = rl_step(setup, reference, rollouts, inputs.step_config, loss=cfg.loss_fn, grpo=cfg.grpo)
+        result = rl_step(setup.policy, rollouts, inputs.step_config, loss=cfg.loss_fn, grpo=cfg.grpo,
+                         reference=reference)  # fmt: skip
         extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
         extra.update(logprob_pass_s=result.logprob_seconds, train_pass_s=result.train_seconds)
         return result.plan, result.outcome, extra
@@ -227,13 +232,13 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 
 
 def _announce(cfg: TrainConfig, setup, data: SftData | RolloutData, mode: str) -> None:
-    groups = setup.groups
+    pgs = setup.policy.process_groups
     if setup.rank == 0:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-        log.info("rank %d/%d on %s; data: %s", setup.rank, setup.world_size, setup.device, json.dumps(data.info))
+        log.info("rank %d/%d on %s; data: %s", setup.rank, setup.world_size, setup.policy.device, json.dumps(data.info))
     print(
-        f"[rank {setup.rank}/{setup.world_size}] host={os.uname().nodename} dp={groups.dp_rank}/{groups.dp_size} "
-        f"cp={groups.cp_rank}/{groups.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode} "
+        f"[rank {setup.rank}/{setup.world_size}] host={os.uname().nodename} dp={pgs.dp_rank}/{pgs.dp_size} "
+        f"cp={pgs.cp_rank}/{pgs.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode} "
         f"algorithm={cfg.algorithm}",
         flush=True,
     )
@@ -243,30 +248,24 @@ def dry_run(cfg: TrainConfig) -> dict:
     """Validate for the config's cluster size and plan the first global batch; no GPU, no torch. A GRPO
     config without ``grpo.rollouts`` is validated up to the data (there is no batch to plan)."""
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    par = cfg.parallel
     if cfg.algorithm == "grpo" and not cfg.grpo.rollouts:
-        dp = validate_layout(cfg, world)
-        plan_config(cfg, dp)
-        layout = {"tp": par.tp, "pp": par.pp, "cp": par.cp, "dp": dp, "sequence_parallel": par.sequence_parallel}
+        layout = validate_layout(cfg, world)
+        plan_config(cfg, layout)
         note = "grpo.rollouts is not set: layout and config checked; set it to plan the first step"
-        return {"world_size": world, "layout": layout, "algorithm": "grpo", "first_global_batch": None, "note": note}
+        return {"world_size": world, "layout": layout.to_dict(), "algorithm": "grpo", "first_global_batch": None,
+                "note": note}  # fmt: skip
     inputs = prepare_run(cfg, world, dry_run=True)
     sampler = GlobalBatchSampler(inputs.units, inputs.batch_units, cfg.training.seed)
     batch = [inputs.lengths[i] for i in inputs.sample_ids(sampler.next_batch())]
     plan = plan_step(batch, inputs.step_config)  # the training pass (GRPO: groups may split there)
     return {
         "world_size": world,
-        "layout": {
-            "tp": par.tp,
-            "pp": par.pp,
-            "cp": par.cp,
-            "dp": inputs.dp,
-            "sequence_parallel": par.sequence_parallel,
-        },
+        "layout": inputs.layout.to_dict(),
         "algorithm": cfg.algorithm,
         "mode": inputs.step_config.mode,
         "row_capacity_tokens": plan.row_capacity,
-        "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r) // par.cp,
+        "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r)
+        // inputs.layout.cp,
         "data": inputs.data.info,
         "first_global_batch": {"samples": len(batch), "tokens": sum(batch), **plan.stats()},
     }

@@ -8,10 +8,14 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
 - `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`.
 - `cpu_device`: `cpu_device_adapter()`, Megatron's hard-coded CUDA call sites redirected on CPU.
-- `parallel_groups`: `ParallelGroups` (the one reader of ``parallel_state``), `verify_plan_across_ranks`.
+- `process_groups`: `ProcessGroups` over Megatron's ``ProcessGroupCollection`` (the one reader of
+  ``parallel_state`` on the step path), `verify_plan_across_ranks`.
 - `prepare`: this rank's `PreparedMicroBatch`es, and `per_sample_logprobs` back from the output.
-- `unpacked_losses`: per-sequence and per-group losses on the unpacked view.
-- `schedule`: `run_step`, `compute_logprobs`.
+- `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`.
+- `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
+- `policy`: `Policy` (model chunks, optimizer, schedule, process groups, device) and `build_policy`, the
+  one builder of a policy and of its frozen reference.
+- `train_step`: `train_step`: `forward_backward`, then Megatron's optimizer and LR schedule steps.
 """
 
 from .attention import PackedCoreAttention
@@ -25,31 +29,45 @@ from .layer_spec import (
 )
 from .model import build_gpt_model, initialize_parallel, transformer_config
 from .packed_seq import ThdLayout, thd_layout, to_packed_seq_params
-from .parallel_groups import ParallelGroups, verify_plan_across_ranks
+from .policy import Policy, build_policy
 from .prepare import PreparedMicroBatch, per_sample_logprobs, prepare_micro_batch
-from .schedule import StepResult, compute_logprobs, run_step
+from .process_groups import ProcessGroups, verify_plan_across_ranks
+from .schedule import StepResult, compute_logprobs, forward_backward
+from .step_loss import PerGroup, PerSample, PerSequence, SequenceMeanNLL, StepLoss, TokenMeanNLL, nll_loss
+from .train_step import StepOutcome, train_step
 
 __all__ = [
     "CpuDeviceAdapter",
     "LocalLayerNorm",
     "LocalRMSNorm",
     "PackedCoreAttention",
-    "ParallelGroups",
+    "PerGroup",
+    "PerSample",
+    "PerSequence",
+    "Policy",
     "PreparedMicroBatch",
+    "ProcessGroups",
+    "SequenceMeanNLL",
+    "StepLoss",
+    "StepOutcome",
     "StepResult",
     "ThdLayout",
+    "TokenMeanNLL",
     "build_gpt_model",
+    "build_policy",
     "compute_logprobs",
     "cpu_device_adapter",
+    "forward_backward",
     "get_packed_gpt_block_spec",
     "get_packed_gpt_layer_spec",
     "initialize_parallel",
+    "nll_loss",
     "per_sample_logprobs",
     "prepare_micro_batch",
     "resolve_attention_backend",
-    "run_step",
     "thd_layout",
     "to_packed_seq_params",
+    "train_step",
     "transformer_config",
     "verify_plan_across_ranks",
 ]

@@ -1,9 +1,10 @@
 """Build a Megatron GPTModel wired for packed/dynamic micro-batches (used by the trainer and benchmarks).
 
-``initialize_parallel`` sets up Megatron's process groups; ``transformer_config`` turns a `ModelShape`
-into Megatron's ``TransformerConfig``; ``build_gpt_model`` returns the model chunk wrapped in Megatron
-DDP with ``finalize_model_grads`` and ``no_sync`` hooked into the config, so `schedule.run_step` gets
-exact gradients.
+``initialize_parallel`` sets up Megatron's process groups for a `ParallelLayout`; ``transformer_config``
+turns a `ModelShape` on a layout into Megatron's ``TransformerConfig``; ``build_gpt_model`` returns the
+model chunk wrapped in Megatron DDP with ``finalize_model_grads`` and ``no_sync`` hooked into the config,
+so `schedule.forward_backward` gets exact gradients. The layout's DP size is what Megatron derives from
+the world; model building reads only tp, pp, cp and sequence_parallel from it.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from __future__ import annotations
 import torch
 
 from ..compat import require_megatron
+from ..planning.layout import SINGLE_RANK, ParallelLayout
 from ..planning.model_shape import ModelShape
 
 __all__ = ["build_gpt_model", "initialize_parallel", "padded_vocab_size", "transformer_config"]
 
 
-def initialize_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234) -> None:
-    """Initialize Megatron's model-parallel groups (torch.distributed must be initialized)."""
+def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 1234) -> None:
+    """Initialize Megatron's model-parallel groups for ``layout`` (torch.distributed must be initialized)."""
     require_megatron()
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -25,18 +27,15 @@ def initialize_parallel(*, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 12
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp, context_parallel_size=layout.cp
     )
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
 
 def transformer_config(
     shape: ModelShape,
+    layout: ParallelLayout = SINGLE_RANK,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    sequence_parallel: bool = False,
     variable_seq_lengths: bool = False,
     dtype: torch.dtype = torch.float32,
 ):
@@ -47,6 +46,7 @@ def transformer_config(
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
     if shape.gated_mlp:
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    tp = layout.tp
     if shape.kv_heads % tp:
         raise ValueError(
             f"model.num_query_groups={shape.kv_heads} key/value heads cannot be split over TP={tp}: every tensor-"
@@ -65,9 +65,9 @@ def transformer_config(
         add_qkv_bias=shape.qkv_bias,
         qk_layernorm=shape.qk_norm,
         tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
-        sequence_parallel=sequence_parallel,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=not torch.cuda.is_available(),
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -109,11 +109,8 @@ def _column_mask(logits: torch.Tensor, first: int) -> torch.Tensor:
 
 def build_gpt_model(
     shape: ModelShape,
+    layout: ParallelLayout = SINGLE_RANK,
     *,
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    sequence_parallel: bool = False,
     variable_seq_lengths: bool = False,
     dtype: torch.dtype = torch.float32,
     attention_backend: str = "auto",
@@ -135,15 +132,8 @@ def build_gpt_model(
 
     from .layer_spec import get_packed_gpt_block_spec
 
-    config = transformer_config(
-        shape,
-        tp=tp,
-        pp=pp,
-        cp=cp,
-        sequence_parallel=sequence_parallel,
-        variable_seq_lengths=variable_seq_lengths,
-        dtype=dtype,
-    )
+    tp = layout.tp
+    config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype)
     torch.manual_seed(seed)
     model = GPTModel(
         config=config,

@@ -10,7 +10,7 @@ sample's log-probs and loss mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -27,7 +27,7 @@ from ..thd.context_parallel import (
 from ..thd.loss_weights import LossNormalization, StepTotals, token_weights
 from ..thd.packed_batch import PackedBatch, build_packed_batch
 from .packed_seq import to_packed_seq_params
-from .parallel_groups import ParallelGroups
+from .process_groups import ProcessGroups
 
 __all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "prepare_micro_batch"]
 
@@ -42,33 +42,37 @@ class PreparedMicroBatch:
     position_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
-    weights: torch.Tensor | None  # per-token loss weights w_t (None in forward-only passes)
+    weights: torch.Tensor | None  # per-token loss weights w_t (None when the loss reads none, or forward-only)
     packed_seq_params: object | None  # THD only
     packed: PackedBatch | None  # THD only: the whole packed row
     sample_ids: tuple[int, ...]
     real_lengths: tuple[int, ...]
     full_loss_mask: torch.Tensor  # [T] (THD) or [rows, width] (BSHD)
     local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
+    group_ids: tuple | None = None  # the plan's group id of every sample of the step (indexed by sample id)
 
 
 def prepare_micro_batch(
     mb: MicroBatchPlan,
     samples: Sequence[SequenceSample],
     plan: StepPlan,
-    groups: ParallelGroups,
+    process_groups: ProcessGroups,
     *,
     totals: StepTotals | None,
-    normalization: LossNormalization | str,
+    normalization: LossNormalization | str | None,
     device: torch.device,
     pad_token_id: int = 0,
 ) -> PreparedMicroBatch:
-    """Build ``mb``'s tensors for this rank (see the module docstring)."""
+    """Build ``mb``'s tensors for this rank (see the module docstring). Per-token weights are built for
+    ``normalization`` when ``totals`` are given (the NLL losses); None builds none."""
     chosen = [samples[i] for i in mb.sample_indices]
     prepare = _prepare_thd if plan.config.mode == "packing" else _prepare_bshd
-    return prepare(mb, chosen, plan, groups, totals, normalization, device, pad_token_id)
+    weigh = totals is not None and normalization is not None
+    prep = prepare(mb, chosen, plan, process_groups, totals if weigh else None, normalization, device, pad_token_id)
+    return replace(prep, group_ids=tuple(plan.groups)) if plan.groups is not None else prep
 
 
-def _prepare_thd(mb, chosen, plan, groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:
+def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:
     config = plan.config
     batch = build_packed_batch(
         chosen,
@@ -82,10 +86,11 @@ def _prepare_thd(mb, chosen, plan, groups, totals, normalization, device, pad_to
     if totals is not None:
         weights = token_weights(batch.loss_mask[0], list(batch.padded_lengths), normalization, totals)[None]
     index = None
-    if groups.cp_size > 1:
-        index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, groups.cp_size, groups.cp_rank)
+    cp_size, cp_rank = process_groups.cp_size, process_groups.cp_rank
+    if cp_size > 1:
+        index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
         weights = weights[:, index] if weights is not None else None
-    local = slice_for_cp(batch, groups.cp_size, groups.cp_rank, index=index)
+    local = slice_for_cp(batch, cp_size, cp_rank, index=index)
     return PreparedMicroBatch(
         plan=mb,
         tokens=local.tokens.to(device),
@@ -93,7 +98,7 @@ def _prepare_thd(mb, chosen, plan, groups, totals, normalization, device, pad_to
         labels=local.labels.to(device),
         loss_mask=local.loss_mask.to(device),
         weights=weights.to(device) if weights is not None else None,
-        packed_seq_params=to_packed_seq_params(local, device=device, cp_group=groups.cp),
+        packed_seq_params=to_packed_seq_params(local, device=device, cp_group=process_groups.cp),
         packed=batch,
         sample_ids=batch.sample_ids,
         real_lengths=batch.seq_lengths,
@@ -102,7 +107,7 @@ def _prepare_thd(mb, chosen, plan, groups, totals, normalization, device, pad_to
     )
 
 
-def _prepare_bshd(mb, chosen, plan, groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:
+def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:
     rows, width = mb.shape
     # Each BSHD row is a one-sequence packed row padded to the micro-batch width (same label shift).
     built = [build_packed_batch([s], pad_to=width, pad_token_id=pad_token_id) for s in chosen]
@@ -110,7 +115,7 @@ def _prepare_bshd(mb, chosen, plan, groups, totals, normalization, device, pad_t
     weights = None
     if totals is not None:
         weights = token_weights(loss_mask.reshape(-1), [width] * rows, normalization, totals).reshape(rows, width)
-    split = partial(slice_bshd_for_cp, cp_size=groups.cp_size, cp_rank=groups.cp_rank, seq_dim=1)
+    split = partial(slice_bshd_for_cp, cp_size=process_groups.cp_size, cp_rank=process_groups.cp_rank, seq_dim=1)
     local_mask = split(loss_mask)
     return PreparedMicroBatch(
         plan=mb,
@@ -129,7 +134,7 @@ def _prepare_bshd(mb, chosen, plan, groups, totals, normalization, device, pad_t
 
 
 def per_sample_logprobs(
-    prep: PreparedMicroBatch, output_tensor: torch.Tensor, groups: ParallelGroups
+    prep: PreparedMicroBatch, output_tensor: torch.Tensor, process_groups: ProcessGroups
 ) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
     """``[(sample_id, logprobs, loss_mask), ...]`` for the micro-batch's samples in row order.
 
@@ -141,12 +146,13 @@ def per_sample_logprobs(
     logprobs = -output_tensor.float()
     if prep.packed is not None:
         flat = logprobs.reshape(-1)
-        if groups.cp_size > 1:
-            flat = gather_from_cp(flat, prep.packed, groups.cp)
+        if process_groups.cp_size > 1:
+            flat = gather_from_cp(flat, prep.packed, process_groups.cp)
         spans = list(prep.packed.padded_lengths)
         rows, masks = torch.split(flat, spans), torch.split(prep.full_loss_mask, spans)
     else:
-        rows = gather_bshd_from_cp(logprobs, groups.cp, seq_dim=1) if groups.cp_size > 1 else logprobs
+        cp_size = process_groups.cp_size
+        rows = gather_bshd_from_cp(logprobs, process_groups.cp, seq_dim=1) if cp_size > 1 else logprobs
         masks = prep.full_loss_mask
     return [
         (sample, row[: max(n - 1, 0)], mask[: max(n - 1, 0)])
@@ -155,25 +161,27 @@ def per_sample_logprobs(
 
 
 def local_step_counts(
-    plan: StepPlan, samples: Sequence[SequenceSample], groups: ParallelGroups, group_ids: Sequence | None = None
-) -> tuple[int, int]:
-    """Valid target tokens, and loss units (sequences with a target, or groups), in this DP rank's share.
+    plan: StepPlan, samples: Sequence[SequenceSample], process_groups: ProcessGroups
+) -> tuple[int, int, int]:
+    """Valid target tokens, sequences with a target, and the plan's sample groups (0 without groups) in
+    this DP rank's share.
 
-    Counted whole-sample on CP rank 0 and 0 on other CP ranks, so a sum over DP x CP counts each once.
+    Counted whole-sample on CP rank 0 and 0 on other CP ranks, so a sum over DP x CP counts each once
+    (a group never spans DP ranks: the planner keeps it in one micro-batch).
     """
-    if groups.cp_rank != 0:
-        return 0, 0
-    tokens = 0
-    units = set()
-    for mb in plan.for_rank(groups.dp_rank):
+    if process_groups.cp_rank != 0:
+        return 0, 0, 0
+    tokens = sequences = 0
+    group_ids = plan.groups
+    groups = set()
+    for mb in plan.for_rank(process_groups.dp_rank):
         for i in mb.sample_indices:
             s = samples[i]
             n = len(s.tokens)
             mask = torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.float32)
             valid = int(mask.reshape(-1)[1:].sum().item())  # targets are tokens 1..n-1
             tokens += valid
+            sequences += valid > 0
             if group_ids is not None:
-                units.add(group_ids[i])
-            elif valid > 0:
-                units.add(i)
-    return tokens, len(units)
+                groups.add(group_ids[i])
+    return tokens, sequences, len(groups)

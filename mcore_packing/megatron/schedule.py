@@ -1,14 +1,17 @@
-"""Schedule driver: run one training step (or a forward-only pass) of a plan through Megatron's schedule.
+"""Schedule driver: one forward and backward pass (or a forward-only pass) of a plan through Megatron's
+pipeline schedule.
 
-    groups = ParallelGroups.from_megatron()
+    process_groups = ProcessGroups.from_megatron()
     plan = plan_step([len(s.tokens) for s in samples], StepPlanConfig(...))
-    result = run_step(model, samples, plan, groups)              # training step (then optimizer.step())
-    logprobs = compute_logprobs(model, samples, logprob_plan, groups)   # [N, S_max - 1], input order
+    result = forward_backward(model, samples, plan, process_groups, loss=TokenMeanNLL())  # then optimizer.step()
+    logprobs = compute_logprobs(model, samples, logprob_plan, process_groups)   # [N, S_max - 1], input order
 
 Both build this rank's micro-batches (`prepare.prepare_micro_batch`) and hand them to one invocation of
 ``megatron.core.pipeline_parallel.get_forward_backward_func()`` with ``num_microbatches`` equal to the
-rank's micro-batch count. `run_step` returns the exact global loss (`thd.loss_weights`). The schedule
-code is Megatron's own; on a CPU-only machine wrap calls in `cpu_device_adapter()`.
+rank's micro-batch count and the same ``ProcessGroupCollection``. `forward_backward` returns the exact
+global loss of its `step_loss.StepLoss` (`thd.loss_weights`); the optimizer step is the caller's
+(`train_step.train_step` does the whole step). The schedule code is Megatron's own; on a CPU-only
+machine wrap calls in `cpu_device_adapter()`.
 
 Shapes for pipeline parallelism: packing mode sends ``[T/cp/(tp if sp), 1, hidden]`` tensors, so with a
 fixed row length (the default under PP) ``seq_length`` is the row capacity and ``micro_batch_size`` 1;
@@ -18,7 +21,7 @@ needs variable sequence lengths under PP.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,12 +30,12 @@ import torch.distributed as dist
 
 from ..data.sample import SequenceSample
 from ..planning.step_plan import StepPlan
-from ..thd.loss_weights import LossNormalization, StepTotals, megatron_loss_output
-from .parallel_groups import ParallelGroups, group_size, verify_plan_across_ranks
+from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
-from .unpacked_losses import group_loss_sum, sample_loss_sum, sequence_loss_sum
+from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
+from .step_loss import StepLoss, TokenMeanNLL
 
-__all__ = ["StepResult", "compute_logprobs", "run_step"]
+__all__ = ["StepResult", "compute_logprobs", "forward_backward"]
 
 
 @dataclass(frozen=True)
@@ -47,78 +50,56 @@ class StepResult:
     real_tokens: int
 
 
-def run_step(
+def forward_backward(
     model,
     samples: Sequence[SequenceSample],
     plan: StepPlan,
-    groups: ParallelGroups,
+    process_groups: ProcessGroups,
     *,
-    normalization: LossNormalization | str = LossNormalization.TOKEN_MEAN,
-    sequence_loss: Callable | None = None,
-    group_loss: Callable | None = None,
-    group_ids: Sequence | None = None,
-    sample_loss: Callable | None = None,
+    loss: StepLoss | None = None,
     forward_only: bool = False,
     device: torch.device | str | None = None,
     verify: bool = True,
     pad_token_id: int = 0,
 ) -> StepResult:
-    """One training step (forward and backward of every micro-batch; the optimizer step is the caller's).
+    """Forward and backward of every micro-batch of this rank (gradients reduced over DP x CP by
+    Megatron's finalize); the optimizer step is the caller's.
 
     Args:
         model: the Megatron model (chunk list or module), wrapped in Megatron DDP for DP/CP > 1.
         samples: the whole global batch (every rank passes the same list; the plan picks this rank's part).
         plan: `plan_step` output for these samples.
-        groups: process groups (`ParallelGroups.from_megatron()`).
-        normalization: ``token_mean`` (default) or ``sequence_mean``.
-        sequence_loss: optional ``fn(logprobs, loss_mask) -> scalar`` per sequence on the unpacked view
-            (`prepare.per_sample_logprobs`: any mode); the step loss is the sequence mean of ``fn``.
-        group_loss: optional ``fn(members) -> scalar`` per group (DPO pairs, GRPO groups), where
-            ``members`` is ``[(sample_id, logprobs, loss_mask), ...]`` in sample order; the step loss is
-            the mean over groups. Needs ``group_ids`` and a plan made with the same ``groups``.
-        sample_loss: optional ``fn(sample_id, logprobs, loss_mask) -> scalar`` per sample on the unpacked
-            view, with per-sample side inputs looked up by ``sample_id`` (RL: advantages, old and
-            reference log-probs; `mcore_packing.losses.ClippedPGLoss`). With ``token_mean`` it returns
-            the sample's token sum and the step loss divides by the global token count; with
-            ``sequence_mean`` its per-sequence value, divided by the global sequence count.
+        process_groups: `ProcessGroups` (``ProcessGroups.from_megatron()``).
+        loss: a `step_loss.StepLoss`: `TokenMeanNLL` (default), `SequenceMeanNLL`, `PerSequence(fn)`,
+            `PerSample(fn, normalization)` or `PerGroup(fn)` (groups from ``plan.groups``).
         forward_only: evaluation (no backward).
         verify: check with one all-gather that every rank planned the same step.
     """
+    loss = TokenMeanNLL() if loss is None else loss
     model_config = _check_step(model, samples, plan)
-    _check_loss_options(plan, samples, sequence_loss, group_loss, group_ids, sample_loss)
-    if verify and group_size(groups.dp_cp) > 1:
-        verify_plan_across_ranks(plan, groups.dp_cp)
-    per_unit = sequence_loss is not None or group_loss is not None
-    normalization = LossNormalization(LossNormalization.SEQUENCE_MEAN if per_unit else normalization)
+    _check_loss(loss, plan)
+    if verify and group_size(process_groups.dp_cp) > 1:
+        verify_plan_across_ranks(plan, process_groups.dp_cp)
     device = _device(device)
-    counted_groups = group_ids if group_loss is not None else None
-    totals = StepTotals.all_reduce(*local_step_counts(plan, samples, groups, counted_groups), groups.dp_cp)
-    micro = plan.for_rank(groups.dp_rank)
-    build = partial(prepare_micro_batch, totals=totals, normalization=normalization, device=device)
-    prepared = [build(mb, samples, plan, groups, pad_token_id=pad_token_id) for mb in micro]
+    totals = StepTotals.all_reduce(*local_step_counts(plan, samples, process_groups), process_groups.dp_cp)
+    micro = plan.for_rank(process_groups.dp_rank)
+    build = partial(prepare_micro_batch, totals=totals, normalization=loss.token_weights, device=device)
+    prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
+    per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
-        if sample_loss is not None:
-            per_token = normalization == LossNormalization.TOKEN_MEAN
-            weighted = sample_loss_sum(prep, output, sample_loss, groups, totals, per_token=per_token)
-        elif group_loss is not None:
-            weighted = group_loss_sum(prep, output, group_loss, group_ids, groups, totals)
-        elif sequence_loss is not None:
-            weighted = sequence_loss_sum(prep, output, sequence_loss, groups, totals)
-        else:
-            weighted = (output.float() * prep.weights).sum()
         return megatron_loss_output(
-            weighted,
+            loss.micro_batch_sum(prep, output, process_groups, totals),
             local_valid_tokens=prep.local_valid_tokens,
             totals=totals,
-            dp_size=groups.dp_size,
+            dp_size=process_groups.dp_size,
             num_microbatches=len(prepared),
-            calculate_per_token_loss=bool(getattr(model_config, "calculate_per_token_loss", False)),
+            calculate_per_token_loss=per_token,
         )
 
-    store = _run_schedule(model, prepared, plan, loss_func, forward_only=forward_only)
+    store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only)
     return StepResult(
-        loss=_step_loss(store, groups),
+        loss=_step_loss(store, process_groups),
         num_tokens=totals.num_tokens,
         num_sequences=totals.num_sequences,
         num_microbatches=len(micro),
@@ -131,7 +112,7 @@ def compute_logprobs(
     model,
     samples: Sequence[SequenceSample],
     plan: StepPlan,
-    groups: ParallelGroups,
+    process_groups: ProcessGroups,
     *,
     device: torch.device | str | None = None,
     pad_token_id: int = 0,
@@ -145,38 +126,50 @@ def compute_logprobs(
     """
     _check_step(model, samples, plan)
     device = _device(device)
-    build = partial(prepare_micro_batch, totals=None, normalization="token_mean", device=device)
-    prepared = [build(mb, samples, plan, groups, pad_token_id=pad_token_id) for mb in plan.for_rank(groups.dp_rank)]
+    build = partial(prepare_micro_batch, totals=None, normalization=None, device=device)
+    micro = plan.for_rank(process_groups.dp_rank)
+    prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32)
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
-        for sample, logprobs, _ in per_sample_logprobs(prep, output.detach(), groups):
+        for sample, logprobs, _ in per_sample_logprobs(prep, output.detach(), process_groups):
             out[sample, : logprobs.numel()] = logprobs.cpu()
         return output.new_zeros(()), {}
 
     with torch.no_grad():
-        _run_schedule(model, prepared, plan, loss_func, forward_only=True)
-    if group_size(groups.dp) > 1:
-        dist.all_reduce(out, group=groups.dp)  # each row was filled by exactly one DP rank
-    if groups.pp is not None and groups.pp_size > 1:
-        dist.broadcast(out, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+        _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=True)
+    if group_size(process_groups.dp) > 1:
+        dist.all_reduce(out, group=process_groups.dp)  # each row was filled by exactly one DP rank
+    _broadcast_from_last_stage(out, process_groups)
     return out
 
 
-def _run_schedule(model, prepared: list[PreparedMicroBatch], plan: StepPlan, loss_func, *, forward_only: bool):
-    """The one call into Megatron's pipeline schedule; returns its per-micro-batch loss statistics."""
+def _run_schedule(
+    model, prepared: list[PreparedMicroBatch], plan: StepPlan, process_groups: ProcessGroups, loss_func, *,
+    forward_only: bool,
+):  # fmt: skip
+    """The one call into Megatron's pipeline schedule, with ``process_groups``' collection (and, under
+    PP, a P2P communicator over its pipeline group); returns the per-micro-batch loss statistics."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+    from megatron.core.utils import get_model_config
 
+    chunks = model if isinstance(model, list) else [model]
     shapes = [mb.shape for rank in plan.micro_batches for mb in rank]
     rows = 1 if plan.config.mode == "packing" else max(s[0] for s in shapes)
+    p2p = None
+    if process_groups.pp_size > 1:
+        p2p = P2PCommunicator(pp_group=process_groups.pp, config=get_model_config(chunks[0]))
     return get_forward_backward_func()(
         forward_step_func=_forward_step(loss_func),
         data_iterator=iter(prepared),
-        model=model if isinstance(model, list) else [model],
+        model=chunks,
         num_microbatches=len(prepared),
         seq_length=max(s[1] for s in shapes),  # p2p shapes; ignored with variable sequence lengths
         micro_batch_size=rows,
         forward_only=forward_only,
+        p2p_communicator=p2p,
+        pg_collection=process_groups.collection,
     )
 
 
@@ -194,18 +187,23 @@ def _forward_step(loss_func):
     return forward_step
 
 
-def _step_loss(store: list[dict], groups: ParallelGroups) -> float:
+def _step_loss(store: list[dict], process_groups: ProcessGroups) -> float:
     """The step's exact loss on every rank: summed on the last stage over micro-batches and DP x CP,
     then broadcast over the pipeline."""
     loss = torch.zeros(1)
-    if groups.is_last_stage:
+    if process_groups.is_last_stage:
         for item in store:
             loss += item["weighted_loss"].float().cpu()
-        if group_size(groups.dp_cp) > 1:
-            dist.all_reduce(loss, group=groups.dp_cp)
-    if groups.pp is not None and groups.pp_size > 1:
-        dist.broadcast(loss, src=dist.get_global_rank(groups.pp, groups.pp_size - 1), group=groups.pp)
+        if group_size(process_groups.dp_cp) > 1:
+            dist.all_reduce(loss, group=process_groups.dp_cp)
+    _broadcast_from_last_stage(loss, process_groups)
     return float(loss.item())
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor, process_groups: ProcessGroups) -> None:
+    pp = process_groups.pp
+    if pp is not None and process_groups.pp_size > 1:
+        dist.broadcast(tensor, src=dist.get_global_rank(pp, process_groups.pp_size - 1), group=pp)
 
 
 def _check_step(model, samples: Sequence[SequenceSample], plan: StepPlan):
@@ -230,7 +228,7 @@ def _check_samples(samples: Sequence[SequenceSample], plan: StepPlan) -> None:
 
 def _check_schedule_config(plan: StepPlan, model_config) -> None:
     config = plan.config
-    if config.pp_size > 1 and not getattr(model_config, "variable_seq_lengths", False):
+    if config.layout.pp > 1 and not getattr(model_config, "variable_seq_lengths", False):
         if config.mode == "dynamic":
             raise ValueError(
                 "Dynamic batching with pipeline parallelism needs variable sequence lengths: micro-batches have "
@@ -244,17 +242,18 @@ def _check_schedule_config(plan: StepPlan, model_config) -> None:
             )
 
 
-def _check_loss_options(plan: StepPlan, samples, sequence_loss, group_loss, group_ids, sample_loss) -> None:
-    """One per-unit loss at most; a group loss needs the plan's groups (a group shares a micro-batch)."""
-    given = [fn for fn in (sequence_loss, group_loss, sample_loss) if fn is not None]
-    if len(given) > 1:
-        raise ValueError("pass one of sequence_loss, group_loss and sample_loss.")
-    if group_loss is None:
-        return
-    if group_ids is None or len(group_ids) != len(samples):
-        raise ValueError("group_loss needs group_ids: one group id per sample, the same passed to plan_step.")
-    if list(plan.groups or []) != list(group_ids):
-        raise ValueError("the plan was made without these group ids; call plan_step(..., groups=group_ids).")
+def _check_loss(loss, plan: StepPlan) -> None:
+    """A `StepLoss` object; a per-group loss needs the plan's groups (a group shares a micro-batch)."""
+    if not isinstance(loss, StepLoss):
+        raise TypeError(
+            f"loss={loss!r} is not a StepLoss; pass TokenMeanNLL(), SequenceMeanNLL(), PerSequence(fn), "
+            "PerSample(fn, normalization) or PerGroup(fn) from mcore_packing.megatron."
+        )
+    if loss.needs_plan_groups and plan.groups is None:
+        raise ValueError(
+            f"{type(loss).__name__} averages over the plan's groups, but the plan has none; call "
+            "plan_step(lengths, config, groups=ids) with one group id per sample."
+        )
 
 
 def _device(device) -> torch.device:

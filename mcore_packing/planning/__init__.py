@@ -3,6 +3,7 @@
 numpy only; never imports torch, so a login node can plan (and `python -m mcore_packing plan` can run)
 without a GPU stack. Modules, in the order the data flows through them:
 
+- `layout`: `ParallelLayout`, the one description of the parallel layout (its padding rules, world size).
 - `padding`: `PaddingRule`, the per-sequence and per-row multiples that CP/TP/SP/FP8 need.
 - `model_shape`: `ModelShape`, the one description of a model's dimensions.
 - `cost_model`: `CostModel`, a*s + b*s^2 per sequence from a shape, or calibrated from step times.
@@ -18,6 +19,7 @@ without a GPU stack. Modules, in the order the data flows through them:
 
 from .balance import BALANCES, ORDERS, assign_balanced, assign_round_robin, max_over_mean, order_microbatches
 from .cost_model import CostModel
+from .layout import ParallelLayout
 from .model_shape import ModelShape
 from .padding import PaddingRule
 from .pipeline import best_pipeline_order, pipeline_lower_bound, simulate_1f1b
@@ -34,6 +36,7 @@ __all__ = [
     "MicroBatchPlan",
     "ModelShape",
     "PaddingRule",
+    "ParallelLayout",
     "StepPlan",
     "StepPlanConfig",
     "assign_balanced",

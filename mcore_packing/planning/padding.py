@@ -13,13 +13,15 @@ import math
 from dataclasses import dataclass
 
 from ..validators import require_positive_int
+from .layout import ParallelLayout
 
 __all__ = ["PaddingRule"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class PaddingRule:
-    """How much each sequence and the whole packed row are padded.
+    """How much each sequence and the whole packed row are padded (the layout's rules, `ParallelLayout`,
+    plus the user's alignment). `for_layout` builds it from a layout.
 
     Attributes:
         cp_size: context-parallel size; > 1 cuts every sequence into 2*cp_size equal chunks.
@@ -39,17 +41,26 @@ class PaddingRule:
         for name in ("cp_size", "tp_size", "sequence_length_round", "fp8_alignment"):
             require_positive_int(f"PaddingRule.{name}", getattr(self, name))
 
+    @classmethod
+    def for_layout(cls, layout: ParallelLayout, *, sequence_length_round: int = 1, fp8_alignment: int = 1):
+        return cls(cp_size=layout.cp, tp_size=layout.tp, sequence_parallel=layout.sequence_parallel,
+                   sequence_length_round=sequence_length_round, fp8_alignment=fp8_alignment)  # fmt: skip
+
+    @property
+    def layout(self) -> ParallelLayout:
+        """The layout whose rules apply (sequence parallelism only counts with TP > 1)."""
+        sp = self.sequence_parallel and self.tp_size > 1
+        return ParallelLayout(cp=self.cp_size, tp=self.tp_size, sequence_parallel=sp)
+
     @property
     def sequence_multiple(self) -> int:
-        """Every padded span is a multiple of this: 2*CP (if CP > 1) times the user alignment."""
-        cp_factor = 2 * self.cp_size if self.cp_size > 1 else 1
-        return cp_factor * math.lcm(self.sequence_length_round, self.fp8_alignment)
+        """Every padded span is a multiple of this: the layout's (2*CP under CP) times the user alignment."""
+        return self.layout.sequence_multiple * math.lcm(self.sequence_length_round, self.fp8_alignment)
 
     @property
     def total_multiple(self) -> int:
-        """The packed row length T is a multiple of this (adds CP*TP when sequence parallel)."""
-        sp_factor = self.cp_size * self.tp_size if self.sequence_parallel and self.tp_size > 1 else 1
-        return math.lcm(self.sequence_multiple, sp_factor)
+        """The packed row length T is a multiple of this (adds the layout's CP*TP when sequence parallel)."""
+        return math.lcm(self.sequence_multiple, self.layout.row_multiple)
 
     def padded_length(self, length: int) -> int:
         m = self.sequence_multiple

@@ -63,14 +63,14 @@ class _Tally:
                 real = int(batch[np.asarray(mb.sample_indices)].sum())
                 # Packing: how full the row capacity is; padded layouts: real / computed tokens.
                 self.fills.append(real / (capacity if config.mode == "packing" else mb.padded_tokens))
-        self.micro_batches += plan.num_microbatches * config.dp_size
+        self.micro_batches += plan.num_microbatches * config.layout.dp
         self.planned_tokens += int(tokens.sum())
         self.planned_cost += float(costs.sum())
         self.token_imbalance.append(tokens.max() / tokens.mean())
         self.cost_imbalance.append(costs.max() / costs.mean())
         self.rank_tokens += tokens
         self.rank_cost += costs
-        t, c = _padded_cost(batch, padded_rows, model, config.cp_size)
+        t, c = _padded_cost(batch, padded_rows, model, config.layout.cp)
         self.padded_tokens += t
         self.padded_cost += c
         self._step_time(plan, config)
@@ -80,13 +80,13 @@ class _Tally:
     def _step_time(self, plan, config: StepPlanConfig) -> None:
         """Predicted step time (the slowest rank; its simulated 1F1B time under PP) and its lower bound."""
         per_rank = [[mb.cost for mb in rank] for rank in plan.micro_batches]
-        if config.pp_size > 1:
-            times = [simulate_1f1b(np.asarray(c) / 3, config.pp_size) for c in per_rank]
-            bounds = [pipeline_lower_bound(np.asarray(c) / 3, config.pp_size) for c in per_rank]
+        if config.layout.pp > 1:
+            times = [simulate_1f1b(np.asarray(c) / 3, config.layout.pp) for c in per_rank]
+            bounds = [pipeline_lower_bound(np.asarray(c) / 3, config.layout.pp) for c in per_rank]
         else:
             times, bounds = [sum(c) for c in per_rank], [0.0]
         self.predicted += max(times)
-        self.bound += max(sum(map(sum, per_rank)) / config.dp_size, max(bounds))
+        self.bound += max(sum(map(sum, per_rank)) / config.layout.dp, max(bounds))
 
     def _below_half(self, plan, config: StepPlanConfig, batch: np.ndarray) -> None:
         """Rows under half full, and how many of them the equal-count rule forced: the rows beyond what
@@ -127,7 +127,7 @@ def summarize(
     step = global_batch_size if global_batch_size > 0 else lengths.size
     starts = range(0, lengths.size, step)
     show = progress and len(starts) >= 200 and sys.stderr.isatty()
-    tally = _Tally(dp=config.dp_size)
+    tally = _Tally(dp=config.layout.dp)
     began = time.time()
     for k, lo in enumerate(starts):
         tally.add(lengths[lo : lo + step], config, padded_rows, model)
@@ -144,7 +144,7 @@ def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _
     return {
         "num_global_batches": num_batches,
         "micro_batches": t.micro_batches,
-        "micro_batches_per_rank_per_step": t.micro_batches / num_batches / config.dp_size,
+        "micro_batches_per_rank_per_step": t.micro_batches / num_batches / config.layout.dp,
         "lower_bound": t.lower_bound,
         "packing_efficiency": t.lower_bound / t.micro_batches if t.micro_batches else 1.0,
         "useful_share_planned": real / t.planned_tokens,
@@ -160,7 +160,7 @@ def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _
         "rank_token_imbalance_worst": float(np.max(t.token_imbalance)),
         "rank_cost_imbalance_mean": float(np.mean(t.cost_imbalance)),
         "rank_cost_imbalance_worst": float(np.max(t.cost_imbalance)),
-        "real_cost": float(model.sequence_cost(lengths, config.cp_size).sum()),
+        "real_cost": float(model.sequence_cost(lengths, config.layout.cp).sum()),
         "predicted_step_cost": t.predicted / num_batches,
         "step_cost_lower_bound": t.bound / num_batches,
         "predicted_over_lower_bound": t.predicted / t.bound if t.bound else 1.0,
@@ -179,14 +179,14 @@ def recommend_budget(lengths: np.ndarray, base: StepPlanConfig, global_batch_siz
     capacity), for dynamic batching the useful share of computed tokens. Larger budgets mean fewer,
     bigger micro-batches (less per-micro-batch overhead) and more activation memory."""
     longest = int(base.padded_lengths(lengths).max())
-    floor = -(-longest // base.cp_size)
+    floor = -(-longest // base.layout.cp)
     candidates = sorted({-(-int(floor * f) // 256) * 256 for f in (1, 1.25, 1.5, 2, 3, 4)})
     sample = lengths[: max(global_batch_size, 1) * 20] if global_batch_size > 0 else lengths
     key = "capacity_fill" if base.mode == "packing" else "useful_share_planned"
     rows = []
     for budget in candidates:
         cfg = replace(base, train_mb_tokens=budget)
-        s = summarize(sample, cfg, global_batch_size=global_batch_size, padded_rows=4, model=model)
+        s = summarize(sample, cfg, global_batch_size=global_batch_size, padded_rows=base.padded_rows, model=model)
         rows.append(
             {
                 "train_mb_tokens": budget,

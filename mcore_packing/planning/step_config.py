@@ -20,6 +20,7 @@ from ..packing import DEFAULT_ALGORITHM, get_packer
 from ..validators import require_choice, require_positive_int, require_positive_number
 from .balance import BALANCES, ORDERS
 from .cost_model import CostModel
+from .layout import SINGLE_RANK, ParallelLayout
 from .padding import PaddingRule
 
 __all__ = ["MODES", "StepPlanConfig"]
@@ -57,10 +58,10 @@ class StepPlanConfig:
         microbatch_order: one of `ORDERS`: ``auto`` (the simulated-best 1F1B order under PP, else the
             packer's), ``packer``, ``largest_first``, ``bubble`` or ``pipeline``.
         sequence_length_round: per-sequence length alignment (NeMo-RL's key).
-        dp_size, tp_size, pp_size, cp_size, sequence_parallel: the parallel layout.
+        layout: the `ParallelLayout` (tp, pp, cp, dp, sequence_parallel).
         fp8_alignment: per-sequence alignment for FP8 (16), 1 when off.
         fixed_length: packing mode: pad every row to the full ``train_mb_tokens * cp`` (PP without
-            variable sequence lengths needs one shape). Default: on when ``pp_size > 1``.
+            variable sequence lengths needs one shape). Default: on when ``layout.pp > 1``.
         padded_rows: rows per micro-batch in ``padded`` mode.
         balance: one of `BALANCES`: ``cost`` (attention-aware `cost_model`, LPT + swaps), ``tokens``
             (the same on padded tokens), ``round_robin`` (NeMo-RL's, for comparison).
@@ -76,11 +77,7 @@ class StepPlanConfig:
     refine: bool | None = None
     microbatch_order: str = "auto"
     sequence_length_round: int = 1
-    dp_size: int = 1
-    tp_size: int = 1
-    pp_size: int = 1
-    cp_size: int = 1
-    sequence_parallel: bool = False
+    layout: ParallelLayout = SINGLE_RANK
     fp8_alignment: int = 1
     fixed_length: bool | None = None
     padded_rows: int = 4
@@ -92,8 +89,10 @@ class StepPlanConfig:
         require_choice("mode", self.mode, MODES)
         require_choice("microbatch_order", self.microbatch_order, ORDERS)
         require_choice("balance", self.balance, BALANCES)
-        for name in ("train_mb_tokens", "sequence_length_round", "dp_size", "tp_size", "pp_size", "cp_size"):
+        for name in ("train_mb_tokens", "sequence_length_round"):
             require_positive_int(name, getattr(self, name))
+        if not isinstance(self.layout, ParallelLayout):
+            raise TypeError(f"layout={self.layout!r} must be a ParallelLayout(tp=, pp=, cp=, dp=, sequence_parallel=).")
         for name in ("fp8_alignment", "padded_rows"):
             require_positive_int(name, getattr(self, name))
         require_positive_int("logprob_mb_tokens", self.logprob_mb_tokens, allow_none=True)
@@ -114,14 +113,14 @@ class StepPlanConfig:
         dynamic_batching: dict | None = None,
         padded: dict | None = None,
         sequence_length_divisible_by: int | None = None,
-        **layout,
+        **fields,
     ) -> StepPlanConfig:
         """The config for NeMo-RL-style sections: the enabled one of ``sequence_packing`` and
         ``dynamic_batching`` (keys: enabled, train_mb_tokens, logprob_mb_tokens, sequence_length_round;
         packing adds algorithm, refine, microbatch_order, cost_budget). With neither enabled, ``padded``
         (fields for ``mode="padded"``) is used, or it is an error when ``padded`` is None.
         ``sequence_length_divisible_by`` (NeMo-RL's ``make_sequence_length_divisible_by``) joins the
-        section's ``sequence_length_round``; ``layout`` takes the remaining fields (``dp_size``, ...).
+        section's ``sequence_length_round``; ``fields`` are the remaining ones (``layout``, ``balance``, ...).
         Errors name the section."""
         sections = {"sequence_packing": dict(sequence_packing or {}), "dynamic_batching": dict(dynamic_batching or {})}
         enabled = [name for name, section in sections.items() if section.get("enabled")]
@@ -134,36 +133,32 @@ class StepPlanConfig:
         if not enabled and padded is None:
             raise ValueError("Neither sequence_packing.enabled nor dynamic_batching.enabled is true; enable one.")
         name = enabled[0] if enabled else "padded"
-        fields = dict(padded or {}) if not enabled else _section_fields(name, sections[name])
+        chosen = dict(padded or {}) if not enabled else _section_fields(name, sections[name])
         divisible = sequence_length_divisible_by or 1
-        fields["sequence_length_round"] = math.lcm(fields.get("sequence_length_round", 1), divisible)
+        chosen["sequence_length_round"] = math.lcm(chosen.get("sequence_length_round", 1), divisible)
         mode = {"sequence_packing": "packing", "dynamic_batching": "dynamic"}.get(name, "padded")
         try:
-            return cls(mode=mode, **fields, **layout)
+            return cls(mode=mode, **chosen, **fields)
         except ValueError as exc:
             raise ValueError(f"{name}: {exc}") from None
 
     @classmethod
     def from_nemo_rl(
-        cls, *, sequence_packing: dict | None = None, dynamic_batching: dict | None = None, **layout
+        cls, *, sequence_packing: dict | None = None, dynamic_batching: dict | None = None, **fields
     ) -> StepPlanConfig:
         """Build from NeMo-RL's ``policy.sequence_packing`` / ``policy.dynamic_batching`` sections
         (`from_sections` without a padded fallback)."""
-        return cls.from_sections(sequence_packing=sequence_packing, dynamic_batching=dynamic_batching, **layout)
+        return cls.from_sections(sequence_packing=sequence_packing, dynamic_batching=dynamic_batching, **fields)
 
     @property
     def padding_rule(self) -> PaddingRule:
-        return PaddingRule(
-            cp_size=self.cp_size,
-            tp_size=self.tp_size,
-            sequence_parallel=self.sequence_parallel,
-            sequence_length_round=self.sequence_length_round,
-            fp8_alignment=self.fp8_alignment,
+        return PaddingRule.for_layout(
+            self.layout, sequence_length_round=self.sequence_length_round, fp8_alignment=self.fp8_alignment
         )
 
     @property
     def use_fixed_length(self) -> bool:
-        return self.mode == "packing" and (self.fixed_length if self.fixed_length is not None else self.pp_size > 1)
+        return self.mode == "packing" and (self.fixed_length if self.fixed_length is not None else self.layout.pp > 1)
 
     def check_groups_fit(self, lengths, groups, *, forward_only: bool = False, key: str | None = None) -> None:
         """Raise ValueError when a group (samples that share a micro-batch: DPO pairs, GRPO responses to one
@@ -184,7 +179,7 @@ class StepPlanConfig:
             raise ValueError(
                 f"group {group!r} has {count} samples and {tokens[group]} {how}, more than one micro-batch holds "
                 f"({capacity}). Raise {key or self.budget(forward_only)[0]} (x cp) to at least "
-                f"{-(-tokens[group] // self.cp_size)}, or split the group upstream."
+                f"{-(-tokens[group] // self.layout.cp)}, or split the group upstream."
             )
 
     def budget(self, forward_only: bool = False) -> tuple[str, int]:
@@ -198,9 +193,7 @@ class StepPlanConfig:
         """Sequences are padded to this: the THD span multiple, or in dynamic mode the BSHD row multiple
         (sequence parallelism splits each row's CP shard over TP ranks)."""
         rule = self.padding_rule
-        if self.mode != "packing" and self.sequence_parallel and self.tp_size > 1:
-            return math.lcm(rule.sequence_multiple, self.cp_size * self.tp_size)
-        return rule.sequence_multiple
+        return rule.sequence_multiple if self.mode == "packing" else rule.total_multiple
 
     def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
         """``lengths`` rounded up to `length_multiple`."""
@@ -211,7 +204,7 @@ class StepPlanConfig:
         """Tokens in one micro-batch before the CP split, rounded down to the row multiple."""
         _, budget = self.budget(forward_only)
         multiple = self.padding_rule.total_multiple if self.mode == "packing" else self.length_multiple
-        return (budget * self.cp_size) // multiple * multiple
+        return (budget * self.layout.cp) // multiple * multiple
 
     def check_fits(
         self, lengths, *, forward_only: bool = False, key: str | None = None, fix: str = "split or drop them upstream"
@@ -233,8 +226,8 @@ class StepPlanConfig:
         i = int(np.argmax(padded))
         raise ValueError(
             f"{int(too_long.sum())} of {lengths.size} samples are longer than a micro-batch ({capacity} tokens = "
-            f"{key} {budget} x cp {self.cp_size}); the longest is sample {i} with {int(lengths[i])} tokens "
-            f"({int(padded[i])} padded). Raise {key} to at least {-(-int(padded[i]) // self.cp_size)}, raise cp, "
+            f"{key} {budget} x cp {self.layout.cp}); the longest is sample {i} with {int(lengths[i])} tokens "
+            f"({int(padded[i])} padded). Raise {key} to at least {-(-int(padded[i]) // self.layout.cp)}, raise cp, "
             f"or {fix}."
         )
 

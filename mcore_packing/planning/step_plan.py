@@ -166,7 +166,7 @@ def plan_step(
     assignment = None
     if config.mode == "packing":
         unit_bins, items = _plan_packing(padded, capacity, config, units, model)
-        if config.balance == "cost" and config.dp_size > 1:
+        if config.balance == "cost" and config.layout.dp > 1:
             unit_bins, assignment = _rebalanced(unit_bins, items, padded, capacity, config, model)
         bins = [[i for u in b for i in items[u]] for b in unit_bins] if units is not None else unit_bins
         shapes = _row_shapes(bins, padded, capacity, config)
@@ -194,16 +194,16 @@ def _assign_and_order(
 ) -> tuple[tuple[MicroBatchPlan, ...], ...]:
     """Micro-batches to DP ranks (equal counts, by `config.balance`, unless ``assignment`` gives them),
     each rank's in `microbatch_order`."""
-    assert len(micro) % config.dp_size == 0, f"{len(micro)} micro-batches do not split over {config.dp_size} ranks"
+    assert len(micro) % config.layout.dp == 0, f"{len(micro)} micro-batches do not split over {config.layout.dp} ranks"
     if assignment is None and config.balance == "round_robin":
-        assignment = assign_round_robin(len(micro), config.dp_size)
+        assignment = assign_round_robin(len(micro), config.layout.dp)
     elif assignment is None:
         weights = [mb.cost if config.balance == "cost" else mb.padded_tokens for mb in micro]
-        assignment = assign_balanced(weights, config.dp_size)
+        assignment = assign_balanced(weights, config.layout.dp)
     per_rank = []
     for rank in assignment:
         chosen = [micro[k] for k in rank]
-        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order, config.pp_size)
+        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order, config.layout.pp)
         per_rank.append(tuple(chosen[k] for k in order))
     return tuple(per_rank)
 
@@ -221,12 +221,12 @@ def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: Co
     real = np.bincount(bin_id, weights=lengths[flat], minlength=len(bins))
     if config.mode != "packing":
         rows, widths = np.array(shapes, dtype=np.float64).T
-        return real, rows * model.sequence_cost(widths, config.cp_size) + model.per_microbatch
-    cost = np.bincount(bin_id, weights=model.sequence_cost(padded[flat], config.cp_size), minlength=len(bins))
+        return real, rows * model.sequence_cost(widths, config.layout.cp) + model.per_microbatch
+    cost = np.bincount(bin_id, weights=model.sequence_cost(padded[flat], config.layout.cp), minlength=len(bins))
     spans = np.bincount(bin_id, weights=padded[flat], minlength=len(bins))
     tail = padded[flat[last]].astype(np.float64)
     extra = np.array([row for _, row in shapes], dtype=np.float64) - spans  # row padding sits in the last span
-    cost += model.sequence_cost(tail + extra, config.cp_size) - model.sequence_cost(tail, config.cp_size)
+    cost += model.sequence_cost(tail + extra, config.layout.cp) - model.sequence_cost(tail, config.layout.cp)
     return real, cost + model.per_microbatch
 
 
@@ -268,7 +268,7 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
     """Bins of units (a unit: one sample, or one group) and the units, as sample-index lists."""
     items = units if units is not None else [[i] for i in range(padded.size)]
     sizes = padded.copy() if units is None else _unit_sums(items, padded).astype(np.int64)
-    packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.dp_size, seed=0, refine=config.refine)
+    packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.layout.dp, seed=0, refine=config.refine)
     unit_bins = packer.pack(sizes)
     if config.cost_budget is not None:
         costs = _unit_sums(items, model.sequence_cost(padded))
@@ -278,9 +278,9 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
         capped = cost_capped_first_fit(sizes, costs, capacity, cost_budget)
         # The cost cap evens out work; it cannot ask for more rows than there are samples to give every DP
         # rank the same count. Then the token-capped bins stand (the token cap is the hard limit).
-        if required_bin_count(len(capped), None, config.dp_size) <= len(items):
+        if required_bin_count(len(capped), None, config.layout.dp) <= len(items):
             unit_bins = enforce_bin_count(
-                PackedBins.from_lists(capped), sizes, min_bin_count=None, bin_count_multiple=config.dp_size
+                PackedBins.from_lists(capped), sizes, min_bin_count=None, bin_count_multiple=config.layout.dp
             ).to_lists()
     return unit_bins, items
 
@@ -289,10 +289,10 @@ def _rebalanced(unit_bins, items, padded, capacity, config, model: CostModel):
     """Rows to ranks by cost (`assign_balanced`), then single units moved or swapped between the rows of
     different ranks (`rebalance.rebalance_units`); returns the rows and each rank's row indices."""
     sizes = _unit_sums(items, padded).astype(np.int64)
-    costs = _unit_sums(items, model.sequence_cost(padded, config.cp_size))
+    costs = _unit_sums(items, model.sequence_cost(padded, config.layout.cp))
     units_in_bins, bin_id, _ = _flat(unit_bins)
     row_costs = np.bincount(bin_id, weights=costs[units_in_bins], minlength=len(unit_bins))
-    assignment = assign_balanced(row_costs, config.dp_size)
+    assignment = assign_balanced(row_costs, config.layout.dp)
     rank_of_bin = np.empty(len(unit_bins), dtype=np.int64)
     for rank, rows in enumerate(assignment):
         rank_of_bin[rows] = rank
@@ -324,7 +324,7 @@ def _plan_dynamic(lengths, padded, capacity, config, units=None):
         current.append(k)
         rows, width = r, w
     batches.append(current)
-    return _as_bins(_split_until_divisible(batches, [len(u) for u in units], config.dp_size), units, padded)
+    return _as_bins(_split_until_divisible(batches, [len(u) for u in units], config.layout.dp), units, padded)
 
 
 def _plan_padded(lengths, padded, config):
@@ -332,7 +332,7 @@ def _plan_padded(lengths, padded, config):
     n = lengths.size
     batches = [list(range(lo, min(lo + config.padded_rows, n))) for lo in range(0, n, config.padded_rows)]
     units = [[i] for i in range(n)]
-    return _as_bins(_split_until_divisible(batches, [1] * n, config.dp_size), units, padded)
+    return _as_bins(_split_until_divisible(batches, [1] * n, config.layout.dp), units, padded)
 
 
 def _split_until_divisible(batches: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:

@@ -35,26 +35,28 @@ class LossNormalization(str, enum.Enum):
 
 @dataclass(frozen=True)
 class StepTotals:
-    """Global counts of one step: valid target tokens G and sequences with at least one target S."""
+    """Global counts of one step: valid target tokens G, sequences with at least one target S, and the
+    plan's sample groups (0 when the plan has none)."""
 
     num_tokens: int
     num_sequences: int
+    num_groups: int = 0
 
     @classmethod
-    def all_reduce(cls, local_tokens: int, local_sequences: int, group) -> StepTotals:
+    def all_reduce(cls, local_tokens: int, local_sequences: int, local_groups: int, group) -> StepTotals:
         """Sum the local counts over ``group`` (DP x CP); one small all-reduce per step."""
         import torch.distributed as dist
 
-        counts = torch.tensor([local_tokens, local_sequences], dtype=torch.int64)
+        counts = torch.tensor([local_tokens, local_sequences, local_groups], dtype=torch.int64)
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(counts, group=group)
-        tokens, sequences = (int(x) for x in counts.tolist())
+        tokens, sequences, groups = (int(x) for x in counts.tolist())
         if tokens == 0:
             raise ValueError(
                 "The global batch has no valid target token (every loss_mask entry is 0, or every sample has a "
                 "single token); there is nothing to learn from this step."
             )
-        return cls(tokens, sequences)
+        return cls(tokens, sequences, groups)
 
 
 def token_weights(

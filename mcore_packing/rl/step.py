@@ -1,17 +1,17 @@
-"""The GRPO/PPO policy step as a framework drives it: rollouts in, one optimizer step out.
+"""The GRPO/PPO policy step as a framework drives it: rollouts in, one or more optimizer steps out.
 
     check_rollouts -> rollout_samples + grpo_advantages            (losses.rollouts)
     log-prob pass  -> plan_step(forward_only, logprob_mb_tokens) -> compute_logprobs(policy), (reference)
     training pass  -> per minibatch (grpo.num_minibatches runs of whole groups): plan_step(train_mb_tokens)
-                      -> run_step(sample_loss=ClippedPGLoss) -> optimizer, schedule
+                      -> train_step(loss=PerSample(ClippedPGLoss)) -> optimizer, schedule
 
-Groups (the responses to one prompt) share a micro-batch of the log-prob pass when
-``keep_groups_together`` (packing or dynamic batching); the training pass packs freely (the loss is per
-sample, its normalization global). The settings are the trainer's ``loss_fn`` (`losses.ClippedPGConfig`)
-and ``grpo`` (`config.GRPOConfig`) groups; `trainer.train` runs this step per global batch of groups with
-``algorithm=grpo``. The reference model is built once (`build_reference_model`: the policy's shape and
-layout, the same starting weights, no optimizer). Generation is the user's inference engine's job; this
-step takes its rollouts.
+Its arguments are library types: a `megatron.Policy` (model, optimizer, schedule, process groups,
+device; `megatron.build_policy` builds it and its frozen reference), the planner's `StepPlanConfig`, and
+the torch-free settings `losses.ClippedPGConfig` and `rl.GRPOConfig`. Groups (the responses to one
+prompt) share a micro-batch of the log-prob pass when ``keep_groups_together`` (packing or dynamic
+batching); the training pass packs freely (the loss is per sample, its normalization global). The
+trainer (``algorithm=grpo``) runs this step per global batch of groups. Generation is the user's
+inference engine's job; this step takes its rollouts.
 """
 
 from __future__ import annotations
@@ -22,12 +22,11 @@ from dataclasses import dataclass, replace
 
 from ..losses import ClippedPGConfig, ClippedPGLoss
 from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, minibatches, rollout_samples
+from ..megatron import PerSample, Policy, StepOutcome, compute_logprobs, train_step
 from ..planning import StepPlan, StepPlanConfig, plan_step
-from .config import GRPOConfig, TrainConfig
-from .model_setup import TrainingSetup
-from .step import StepOutcome, train_step
+from .config import GRPOConfig
 
-__all__ = ["RLStepResult", "build_reference_model", "rl_step"]
+__all__ = ["RLStepResult", "rl_step"]
 
 
 @dataclass(frozen=True)
@@ -47,26 +46,6 @@ class RLStepResult:
     minibatch_losses: list[float]
 
 
-def build_reference_model(cfg: TrainConfig, shape, device):
-    """The reference policy: the policy's shape and layout and its starting weights (``model.hf_path``,
-    else the same seeded initialization), without an optimizer. Call after `setup_training`."""
-    import torch
-    from megatron.core import parallel_state as ps
-
-    from ..megatron import build_gpt_model
-    from ..megatron.hf_weights import load_hf_weights
-
-    par = cfg.parallel
-    model, _ = build_gpt_model(shape, tp=par.tp, pp=par.pp, cp=par.cp, sequence_parallel=par.sequence_parallel,
-                               variable_seq_lengths=par.variable_seq_lengths, dtype=getattr(torch, cfg.model.dtype),
-                               attention_backend=cfg.model.attention_backend, seed=cfg.training.seed,
-                               device=device)  # fmt: skip
-    if cfg.model.hf_path is not None:
-        load_hf_weights(model, shape, cfg.model.hf_path, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=par.tp)
-    model.eval()
-    return model
-
-
 def _per_position(rollouts: Sequence[Rollout], fallback) -> list:
     """Generation log-probs laid out like `compute_logprobs` rows (position j predicts token j + 1); the
     trainer's own old log-probs where the engine gave none (importance weight 1)."""
@@ -82,15 +61,26 @@ def _per_position(rollouts: Sequence[Rollout], fallback) -> list:
     return rows
 
 
-def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], plan_config: StepPlanConfig, *,
-            loss: ClippedPGConfig, grpo: GRPOConfig | None = None) -> RLStepResult:  # fmt: skip
+def rl_step(
+    policy: Policy,
+    rollouts: Sequence[Rollout],
+    plan_config: StepPlanConfig,
+    *,
+    loss: ClippedPGConfig,
+    grpo: GRPOConfig | None = None,
+    reference: Policy | None = None,
+) -> RLStepResult:
     """One GRPO step on ``rollouts`` (every rank passes the same list): the log-prob pass over all of them,
     then ``grpo.num_minibatches`` optimizer steps, each on a run of whole groups against the same old
-    log-probs (from the second on the policy has moved, so the ratio and its clipping act). ``grpo`` (the
-    trainer's ``grpo`` group; its defaults when None) also sets the advantage baseline and the grouping."""
-    from ..megatron import compute_logprobs
-
+    log-probs (from the second on the policy has moved, so the ratio and its clipping act). ``grpo`` (its
+    defaults when None) also sets the advantage baseline and the grouping. ``reference`` (a frozen
+    `Policy`) is needed when ``loss.reference_policy_kl_penalty > 0``."""
     grpo = grpo or GRPOConfig()
+    if loss.reference_policy_kl_penalty > 0 and reference is None:
+        raise ValueError(
+            f"reference_policy_kl_penalty={loss.reference_policy_kl_penalty} needs the reference policy: pass "
+            "reference=build_policy(shape, layout, ...) without an optimizer (the starting weights)."
+        )
     check_rollouts(rollouts, grpo=True)
     samples = rollout_samples(rollouts)
     lengths = [len(s.tokens) for s in samples]
@@ -100,20 +90,26 @@ def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], 
     keep = group_ids if grpo.keep_groups_together else None  # plan_step refuses groups in padded mode
     start = time.perf_counter()
     logprob_plan = plan_step(lengths, plan_config, forward_only=True, groups=keep)
-    old = compute_logprobs(setup.model, samples, logprob_plan, setup.groups, device=setup.device)
-    reference = None
+    pgs, device = policy.process_groups, policy.device
+    old = compute_logprobs(policy.model, samples, logprob_plan, pgs, device=device)
+    reference_logprobs = None
     if loss.reference_policy_kl_penalty > 0:
-        reference = compute_logprobs(reference_model, samples, logprob_plan, setup.groups, device=setup.device)
+        reference_logprobs = compute_logprobs(reference.model, samples, logprob_plan, pgs, device=device)
     logprob_seconds = time.perf_counter() - start
-    pg_loss = ClippedPGLoss(loss, advantages=advantages.tolist(), old_logprobs=old, reference_logprobs=reference,
-                            generation_logprobs=_per_position(rollouts, old))  # fmt: skip
+    pg_loss = ClippedPGLoss(
+        loss,
+        advantages=advantages.tolist(),
+        old_logprobs=old,
+        reference_logprobs=reference_logprobs,
+        generation_logprobs=_per_position(rollouts, old),
+    )
     plans, outcomes = [], []
     for part in minibatches(group_ids, grpo.num_minibatches):  # the loss is per sample: groups may split here
         plans.append(plan_step([lengths[i] for i in part], plan_config))
-        outcomes.append(train_step(setup, [samples[i] for i in part], plans[-1], normalization=loss.normalization,
-                                   sample_loss=_in_minibatch(pg_loss, part)))  # fmt: skip
+        step_loss = PerSample(_in_minibatch(pg_loss, part), normalization=loss.normalization)
+        outcomes.append(train_step(policy, [samples[i] for i in part], plans[-1], loss=step_loss))
     outcome = _combined(outcomes)
-    metrics = _reduce_metrics(pg_loss.metrics, setup.device)
+    metrics = _reduce_metrics(pg_loss.metrics, device)
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
     plan = plans[0] if len(plans) == 1 else StepPlan.chained(plans)
@@ -122,7 +118,7 @@ def rl_step(setup: TrainingSetup, reference_model, rollouts: Sequence[Rollout], 
 
 
 def _in_minibatch(pg_loss: ClippedPGLoss, part: list[int]):
-    """`run_step`'s per-sample loss for a minibatch: its sample ids are positions in ``part``."""
+    """The per-sample loss of a minibatch: its sample ids are positions in ``part``."""
     return lambda sample_id, logprobs, mask: pg_loss(part[sample_id], logprobs, mask)
 
 

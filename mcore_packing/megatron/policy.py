@@ -1,0 +1,83 @@
+"""`Policy`: what a step needs of a model, as one handle, and `build_policy`, the one builder of a
+trainable policy and of its frozen reference.
+
+    initialize_parallel(layout, seed=seed)                        # Megatron's parallel state, once
+    policy = build_policy(shape, layout, seed=seed, hf_path=path, optimizer=make_optimizer)
+    reference = build_policy(shape, layout, seed=seed, hf_path=path)      # same weights, no optimizer
+    train_step(policy, samples, plan, loss=TokenMeanNLL())
+
+``make_optimizer(model) -> (optimizer, scheduler)`` is the caller's (the trainer builds Megatron's
+optimizer and LR schedule from its ``optimizer`` config, `optimizer.build_optimizer`); without it the
+model is put in eval mode and the policy has no optimizer (a reference or an evaluation model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ..planning.layout import ParallelLayout
+from ..planning.model_shape import ModelShape
+from .process_groups import ProcessGroups
+
+__all__ = ["Policy", "build_policy"]
+
+
+@dataclass
+class Policy:
+    """A Megatron model and what steps it: the (DDP-wrapped) model chunk, Megatron's optimizer and
+    ``OptimizerParamScheduler`` (None for a frozen model), its process groups and its device. ``info``
+    holds what the build did (``tensors_read`` from a Hugging Face folder)."""
+
+    model: object
+    optimizer: object | None
+    scheduler: object | None
+    process_groups: ProcessGroups
+    device: torch.device
+    info: dict = field(default_factory=dict)
+
+
+def build_policy(
+    shape: ModelShape,
+    layout: ParallelLayout,
+    *,
+    device: torch.device,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
+    variable_seq_lengths: bool = False,
+    hf_path: str | None = None,
+    optimizer: Callable | None = None,
+    use_distributed_optimizer: bool = False,
+    grad_reduce_in_fp32: bool = False,
+) -> Policy:
+    """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
+    weights of ``hf_path`` (this rank's slices), else the seeded initialization; with ``optimizer`` its
+    optimizer and schedule, else frozen in eval mode."""
+    from megatron.core import parallel_state as ps
+
+    from .hf_weights import load_hf_weights
+    from .model import build_gpt_model
+
+    model, _ = build_gpt_model(
+        shape,
+        layout,
+        variable_seq_lengths=variable_seq_lengths,
+        dtype=dtype,
+        attention_backend=attention_backend,
+        seed=seed,
+        device=device,
+        use_distributed_optimizer=use_distributed_optimizer and optimizer is not None,
+        grad_reduce_in_fp32=grad_reduce_in_fp32 and optimizer is not None,
+    )
+    info = {}
+    if hf_path is not None:
+        stats = load_hf_weights(model, shape, hf_path, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=layout.tp)
+        info["tensors_read"] = stats["tensors_read"]
+    built, scheduler = (None, None) if optimizer is None else optimizer(model)
+    if optimizer is None:
+        model.eval()
+    return Policy(model=model, optimizer=built, scheduler=scheduler, process_groups=ProcessGroups.from_megatron(),
+                  device=torch.device(device), info=info)  # fmt: skip

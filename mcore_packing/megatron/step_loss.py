@@ -1,0 +1,169 @@
+"""The losses a step can run, as one protocol: each loss object says which per-token weights it needs,
+which global count its sum is divided by, and how one micro-batch contributes.
+
+    forward_backward(model, samples, plan, process_groups, loss=TokenMeanNLL())          # SFT default
+    forward_backward(..., loss=SequenceMeanNLL())                         # every sequence weighs the same
+    forward_backward(..., loss=PerSequence(fn))      # fn(logprobs, mask) -> scalar, mean over sequences
+    forward_backward(..., loss=PerSample(fn, normalization="token_mean"))   # fn(sample_id, logprobs, mask)
+    forward_backward(..., loss=PerGroup(fn))         # fn(members) per group of the plan, mean over groups
+
+The NLL losses use the per-token weights of `thd.token_weights` on the packed row itself. The others run
+on the unpacked view (`prepare.per_sample_logprobs`: any mode, CP gathered): ``fn`` sees exactly the
+log-probs an unpacked forward gives. Each returns this rank's share of the step loss: the sum divided by
+the global count (`StepTotals`, all-reduced once per step over DP x CP) and, for the unpacked view, by
+CP, because every CP rank holds the same gathered values and the gather's backward adds their gradients.
+
+A loss's normalization is its own (no option elsewhere changes it). `PerGroup` reads the groups from the
+plan (``plan_step(..., groups=ids)``), so the ids that keep a group in one micro-batch are the ids it
+averages over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..thd.loss_weights import LossNormalization, StepTotals
+from .prepare import PreparedMicroBatch, per_sample_logprobs
+
+__all__ = [
+    "PerGroup",
+    "PerSample",
+    "PerSequence",
+    "SequenceMeanNLL",
+    "StepLoss",
+    "TokenMeanNLL",
+    "nll_loss",
+]
+
+DIVISORS = ("tokens", "sequences", "groups")
+
+
+class StepLoss:
+    """The protocol. Subclasses set:
+
+    - ``token_weights``: the `LossNormalization` of the per-token weights the micro-batches carry, or None
+      when the loss does not read them (its own per-sample values);
+    - ``divisor``: one of `DIVISORS`, the global count the loss's sum is divided by;
+    - ``micro_batch_sum(prep, output, process_groups, totals)``: this rank's share of the step loss from
+      one micro-batch (``output``: Megatron's per-token losses of this CP shard).
+    """
+
+    token_weights: LossNormalization | None = None
+    divisor: str = "tokens"
+    needs_plan_groups: bool = False
+
+    def micro_batch_sum(self, prep: PreparedMicroBatch, output: torch.Tensor, process_groups, totals: StepTotals):
+        raise NotImplementedError
+
+    def global_count(self, totals: StepTotals) -> int:
+        return {"tokens": totals.num_tokens, "sequences": totals.num_sequences, "groups": totals.num_groups}[
+            self.divisor
+        ]
+
+
+@dataclass(frozen=True)
+class TokenMeanNLL(StepLoss):
+    """The mean next-token NLL over every learned token of the global batch (SFT's default)."""
+
+    token_weights = LossNormalization.TOKEN_MEAN
+    divisor = "tokens"
+
+    def micro_batch_sum(self, prep, output, process_groups, totals):
+        return (output.float() * prep.weights).sum()
+
+
+@dataclass(frozen=True)
+class SequenceMeanNLL(StepLoss):
+    """Each sequence's mean NLL over its learned tokens, then the mean over sequences."""
+
+    token_weights = LossNormalization.SEQUENCE_MEAN
+    divisor = "sequences"
+
+    def micro_batch_sum(self, prep, output, process_groups, totals):
+        return (output.float() * prep.weights).sum()
+
+
+def nll_loss(normalization: LossNormalization | str) -> StepLoss:
+    """The NLL loss of a normalization name (``token_mean`` or ``sequence_mean``)."""
+    normalization = LossNormalization(normalization)
+    return TokenMeanNLL() if normalization is LossNormalization.TOKEN_MEAN else SequenceMeanNLL()
+
+
+@dataclass(frozen=True)
+class PerSequence(StepLoss):
+    """``fn(logprobs, loss_mask) -> scalar`` once per sequence with a learned token; the step loss is
+    the mean over those sequences."""
+
+    fn: Callable
+    divisor = "sequences"
+
+    def micro_batch_sum(self, prep, output, process_groups, totals):
+        return _share_of_sum(
+            prep, output, lambda _, lp, mask: self.fn(lp, mask), process_groups, totals.num_sequences, "sequence"
+        )
+
+
+@dataclass(frozen=True)
+class PerSample(StepLoss):
+    """``fn(sample_id, logprobs, loss_mask) -> scalar`` once per sample with a learned token, with
+    per-sample side inputs looked up by ``sample_id`` (RL: advantages, old and reference log-probs;
+    `mcore_packing.losses.ClippedPGLoss`). ``token_mean``: ``fn`` returns the sample's token sum and the
+    step loss divides by the global token count; ``sequence_mean``: its per-sequence value, divided by
+    the global sequence count."""
+
+    fn: Callable
+    normalization: str = "token_mean"
+
+    def __post_init__(self):
+        LossNormalization(self.normalization)  # raises on an unknown name
+
+    @property
+    def divisor(self) -> str:
+        return "tokens" if LossNormalization(self.normalization) is LossNormalization.TOKEN_MEAN else "sequences"
+
+    def micro_batch_sum(self, prep, output, process_groups, totals):
+        return _share_of_sum(prep, output, self.fn, process_groups, self.global_count(totals), "sample")
+
+
+@dataclass(frozen=True)
+class PerGroup(StepLoss):
+    """``fn(members) -> scalar`` once per group of the plan (DPO pairs, GRPO groups), ``members`` =
+    ``[(sample_id, logprobs, loss_mask), ...]`` in sample order; the step loss is the mean over the
+    groups. Needs a plan made with ``groups=`` (a group shares one micro-batch)."""
+
+    fn: Callable
+    divisor = "groups"
+    needs_plan_groups = True
+
+    def micro_batch_sum(self, prep, output, process_groups, totals):
+        group_ids = prep.group_ids
+        members: dict = {}
+        for item in per_sample_logprobs(prep, output, process_groups):
+            members.setdefault(group_ids[item[0]], []).append(item)
+        total = output.new_zeros((), dtype=torch.float32)
+        for items in members.values():
+            total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
+        return total / (totals.num_groups * process_groups.cp_size)
+
+
+def _check_scalar(value, unit: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(
+            f"the loss function must return a scalar (0-d) tensor for each {unit}, got {shape}; reduce over the "
+            "tokens inside the function (e.g. .sum() or .mean())."
+        )
+    return value
+
+
+def _share_of_sum(prep, output, fn: Callable, process_groups, divisor: int, unit: str) -> torch.Tensor:
+    """``fn(sample_id, logprobs, mask)`` summed over the samples with at least one target, divided by
+    ``divisor`` and by CP."""
+    total = output.new_zeros((), dtype=torch.float32)
+    for sample_id, logprobs, mask in per_sample_logprobs(prep, output, process_groups):
+        if mask.numel() and mask.sum() > 0:
+            total = total + _check_scalar(fn(sample_id, logprobs, mask), unit)
+    return total / (divisor * process_groups.cp_size)

@@ -1,0 +1,83 @@
+"""`ParallelLayout`: the one description of how a run is split over ranks (plain data, no torch).
+
+    layout = ParallelLayout.for_world(16, tp=2, pp=2, cp=2)     # dp = 16 / (2 * 2 * 2) = 2
+    layout.sequence_multiple    # 4: CP cuts every sequence into 2 * cp chunks
+    layout.row_multiple         # 1: no sequence parallelism (with it: cp * tp)
+
+The planner (`StepPlanConfig.layout`), the padding rule (`PaddingRule`), the Hydra ``parallel`` group
+(`app.config.ParallelConfig.layout`) and the Megatron model builder (`megatron.model`) all read the
+sizes from here, so the CP padding rule, the sequence-parallel rule and the world-size check exist once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..validators import require_positive_int
+
+__all__ = ["SINGLE_RANK", "ParallelLayout"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelLayout:
+    """Sizes of the parallel dimensions.
+
+    Attributes:
+        tp: tensor-parallel size.
+        pp: pipeline-parallel size.
+        cp: context-parallel size; > 1 cuts every sequence into 2*cp load-balanced chunks.
+        dp: data-parallel size (replicas of the model; with CP, DP x CP ranks share the gradient reduction).
+        sequence_parallel: Megatron sequence parallelism (splits each CP shard's tokens over TP ranks).
+    """
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "cp", "dp"):
+            require_positive_int(name, getattr(self, name))
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("sequence_parallel=true needs tp > 1 (it splits tokens over TP ranks).")
+
+    @classmethod
+    def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
+                  keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
+        """The layout of ``world_size`` ranks (DP is what remains); an error names ``keys`` (the caller's
+        spelling of tp, pp and cp) when the world does not factor."""
+        model_parallel = tp * pp * cp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"World size {world_size} does not factor into {keys} x DP = {tp} x {pp} x {cp} x DP. Launch a "
+                f"multiple of {model_parallel} ranks, or change the sizes."
+            )
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, sequence_parallel=sequence_parallel)
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks that hold one replica: tp * pp * cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def world_size(self) -> int:
+        return self.model_parallel_size * self.dp
+
+    @property
+    def sequence_multiple(self) -> int:
+        """Every sequence's padded length is a multiple of this: 2*cp under CP (chunks r and 2cp-1-r), else 1."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
+    def row_multiple(self) -> int:
+        """A row's length is a multiple of this: cp * tp with sequence parallelism (each CP shard splits over
+        TP ranks), else 1."""
+        return self.cp * self.tp if self.sequence_parallel else 1
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+SINGLE_RANK = ParallelLayout()
+"""One rank: the default layout of functions that take one."""
