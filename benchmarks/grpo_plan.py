@@ -50,9 +50,10 @@ def configs(dp: int):
     padded = dataclasses.replace(base.training, padded_micro_batch_rows=4)
     no_packing = dataclasses.replace(base.sequence_packing, enabled=False)
     layout = base.parallel.layout(dp * base.parallel.layout().model_parallel_size)
+    dynamic_cfg = dataclasses.replace(base, sequence_packing=no_packing, dynamic_batching=dynamic)
     return base, {
         "packing": plan_config(base, layout),
-        "dynamic": plan_config(dataclasses.replace(base, sequence_packing=no_packing, dynamic_batching=dynamic), layout),
+        "dynamic": plan_config(dynamic_cfg, layout),
         "padded": plan_config(dataclasses.replace(base, sequence_packing=no_packing, training=padded), layout),
     }
 

@@ -15,13 +15,15 @@ word, so `check_unknown_keys` rejects keys that no dataclass declares.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..data.sft import LONG_SAMPLE_POLICIES
 from ..losses import ClippedPGConfig
-from ..planning import BALANCES, ORDERS, CostModel, ModelShape, ParallelLayout, StepPlanConfig
+from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
+from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import GRPOConfig
 from ..validators import require_choice, require_positive_int
 
@@ -65,51 +67,66 @@ def _choice(group: str, obj, name: str, choices) -> None:
     require_choice(f"{group}.{name}", getattr(obj, name), choices, error=ConfigError)
 
 
-@dataclass
-class ModelConfig:
-    hf_path: str | None = None  # a Hugging Face model folder: its config.json, weights and tokenizer win
-    family: str = "gpt"  # gpt (Megatron defaults, random init) | llama | mistral | qwen2 | qwen3
-    num_layers: int = 2
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    num_query_groups: int | None = None
-    ffn_hidden_size: int | None = None
-    head_dim: int | None = None  # None: hidden_size / num_attention_heads
-    normalization: str = "LayerNorm"
-    norm_epsilon: float = 1e-5
-    gated_mlp: bool = False  # SwiGLU MLP (Llama, Qwen); false: GELU
-    rotary_base: float = 10000.0
-    rope_scaling_factor: float | None = None  # Llama-3 RoPE scaling
-    linear_bias: bool = True
-    qkv_bias: bool = False  # Qwen2
-    qk_norm: bool = False  # Qwen3
-    tie_embeddings: bool = False
-    vocab_size: int | None = None  # None: the data's (compact) vocabulary
-    max_sequence_length: int = 4096
-    dtype: str = "float32"  # float32 | bfloat16 | float16 (16-bit: fp32 master weights in the optimizer)
-    attention_backend: str = "auto"  # auto | te | local
+MODEL_DEFAULTS = {"vocab_size": None, "num_query_groups": 2}
+"""Where the ``model`` group's defaults differ from `ModelShape`'s: the vocabulary comes from the data
+(None: the data's compact vocabulary), and the tiny default model uses grouped-query attention."""
 
-    def __post_init__(self):
-        _choice("model", self, "dtype", ("float32", "bfloat16", "float16"))
-        _choice("model", self, "attention_backend", ("auto", "te", "local"))
-        self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
-    def declared_shape(self, vocab_size: int) -> ModelShape:
-        """The shape these fields describe (``vocab_size`` unless the config sets one)."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape) if f.name != "vocab_size"}
-        try:
-            return ModelShape(vocab_size=self.vocab_size or vocab_size, **fields)
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+def _model_post_init(self):
+    _choice("model", self, "dtype", ("float32", "bfloat16", "float16"))
+    _choice("model", self, "attention_backend", ("auto", "te", "local"))
+    self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
-    def shape(self, vocab_size: int) -> ModelShape:
-        """The model's `ModelShape`: the checkpoint's config.json with ``hf_path``, else these fields."""
-        if self.hf_path is None:
-            return self.declared_shape(vocab_size)
-        try:
-            return shape_from_hf_config(read_hf_config(self.hf_path))
-        except (ValueError, FileNotFoundError) as exc:
-            raise ConfigError(f"model.hf_path: {exc}") from None
+
+def _declared_shape(self, vocab_size: int) -> ModelShape:
+    """The shape these fields describe (``vocab_size`` unless the config sets one)."""
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(ModelShape) if f.name != "vocab_size"}
+    try:
+        return ModelShape(vocab_size=self.vocab_size or vocab_size, **fields)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _shape(self, vocab_size: int) -> ModelShape:
+    """The model's `ModelShape`: the checkpoint's config.json with ``hf_path``, else these fields."""
+    if self.hf_path is None:
+        return self.declared_shape(vocab_size)
+    try:
+        return shape_from_hf_config(read_hf_config(self.hf_path))
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"model.hf_path: {exc}") from None
+
+
+def _model_config_class() -> type:
+    """``ModelConfig``: ``hf_path``, every `ModelShape` field (its defaults, except `MODEL_DEFAULTS`), and
+    how to run the model (``dtype``, ``attention_backend``). Generated from `ModelShape`'s fields, so a new
+    shape field (MoE experts, ...) is a Hydra key without a second declaration."""
+    shape_fields = []
+    for f in dataclasses.fields(ModelShape):
+        kind = "int | None" if f.name == "vocab_size" else f.type
+        shape_fields.append((f.name, kind, field(default=MODEL_DEFAULTS.get(f.name, f.default))))
+    cls = dataclasses.make_dataclass(
+        "ModelConfig",
+        [
+            # a Hugging Face model folder: its config.json, weights and tokenizer win over the shape keys
+            ("hf_path", "str | None", field(default=None)),
+            *shape_fields,
+            ("dtype", "str", field(default="float32")),  # float32 | bfloat16 | float16 (16-bit: fp32 masters)
+            ("attention_backend", "str", field(default="auto")),  # auto | te | local
+        ],
+        namespace={
+            "__post_init__": _model_post_init,
+            "declared_shape": _declared_shape,
+            "shape": _shape,
+            "__doc__": "The ``model`` group: ``hf_path``, the `ModelShape` fields (see its docstring), ``dtype`` "
+            "and ``attention_backend``.",
+        },
+    )
+    cls.__module__ = __name__  # its annotations are strings, resolved in this module (Hydra reads them)
+    return cls
+
+
+ModelConfig = _model_config_class()
 
 
 @dataclass
@@ -131,35 +148,6 @@ class DataConfig:
         _positive("data", self, "num_samples", allow_none=True)
         if self.source == "jsonl" and not self.path:
             raise ConfigError("data.source=jsonl needs data.path=/path/to/file.jsonl (one JSON object per line).")
-
-
-@dataclass
-class SequencePackingConfig:
-    enabled: bool = True
-    train_mb_tokens: int = 4096
-    logprob_mb_tokens: int | None = None
-    algorithm: str = "modified_first_fit_decreasing"
-    refine: bool | None = None  # bin-count refinement after packing; null: the algorithm's default (on for MFFD)
-    microbatch_order: str = "auto"  # auto (pipeline under PP, else packer) | packer | largest_first | bubble | pipeline
-    sequence_length_round: int = 1
-    cost_budget: Any = None  # None | "auto" | a number: also cap each row's attention-aware cost
-
-    def __post_init__(self):
-        _positive("sequence_packing", self, "train_mb_tokens", "sequence_length_round")
-        _positive("sequence_packing", self, "logprob_mb_tokens", allow_none=True)
-        _choice("sequence_packing", self, "microbatch_order", ORDERS)
-
-
-@dataclass
-class DynamicBatchingConfig:
-    enabled: bool = False
-    train_mb_tokens: int = 4096
-    logprob_mb_tokens: int | None = None
-    sequence_length_round: int = 1
-
-    def __post_init__(self):
-        _positive("dynamic_batching", self, "train_mb_tokens", "sequence_length_round")
-        _positive("dynamic_batching", self, "logprob_mb_tokens", allow_none=True)
 
 
 @dataclass
@@ -324,8 +312,8 @@ class TrainConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     loss_fn: ClippedPGConfig = field(default_factory=ClippedPGConfig)
     algorithm: str = "sft"  # sft (NLL on data.*) | grpo (clipped policy gradient on grpo.rollouts)
-    run_name: str = "sft"
-    run_dir: str = "outputs/local/sft"
+    run_name: str = "sft-tiny"
+    run_dir: str | None = None  # null: outputs/<$SLURM_JOB_ID or local>/<run_name> (the same on every rank)
     resume: Any = False  # false | true (the newest complete checkpoint; error if none) | auto (that, or start)
 
     @property
@@ -335,6 +323,8 @@ class TrainConfig:
         return self.training.steps * (self.grpo.num_minibatches if self.algorithm == "grpo" else 1)
 
     def __post_init__(self):
+        if self.run_dir is None:
+            self.run_dir = default_run_dir(self.run_name)
         require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
         require_choice("algorithm", self.algorithm, ALGORITHMS, error=ConfigError)
         batched = self.sequence_packing.enabled or self.dynamic_batching.enabled
@@ -343,6 +333,12 @@ class TrainConfig:
                 "grpo.keep_groups_together=true keeps a group in one micro-batch: it needs sequence_packing.enabled="
                 "true or dynamic_batching.enabled=true. Set grpo.keep_groups_together=false for padded batches."
             )
+
+
+def default_run_dir(run_name: str) -> str:
+    """``outputs/<job>/<run_name>``: one folder per Slurm job (``local`` outside Slurm), the same on every
+    rank. Hydra's run folder (``hydra.run.dir`` in config.yaml) is this same path."""
+    return f"outputs/{os.environ.get('SLURM_JOB_ID', 'local')}/{run_name}"
 
 
 GROUPS = {

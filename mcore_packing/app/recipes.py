@@ -137,8 +137,9 @@ def rl_optimizer(lr: float) -> OptimizerConfig:
 
 
 def tiny_cpu_sft(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
-    """The README's default: a tiny GPT on CHAMP, packed, gloo on CPU."""
-    return TrainConfig(cluster=_cluster(num_nodes, gpus_per_node, "auto"), run_name="tiny-cpu-sft")
+    """The README's main job: a tiny GPT on CHAMP, packed, gloo on CPU; the schema's defaults, so it is
+    the same config as the Hydra default (`hydra_configs/config.yaml`, tested)."""
+    return TrainConfig(cluster=_cluster(num_nodes, gpus_per_node, "auto"))
 
 
 def _family_recipe(

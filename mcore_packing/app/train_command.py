@@ -8,7 +8,8 @@
     python -m mcore_packing train --recipe llama3_8b_sft_packed --num-nodes 2 --gpus-per-node 8 --dry-run
 
 Arguments other than the flags below are Hydra overrides (``parallel.tp=2``, ``data=jsonl``; ``+key=..``
-is rejected when nothing reads it). Without ``--recipe`` the config comes from ``hydra_configs/`` through
+is rejected when nothing reads it). Without ``--recipe`` the config comes from ``hydra_configs/`` (package
+data: ``mcore_packing.hydra_configs``, so an installed wheel has it) through
 ``hydra.main`` (Hydra's run folder and logs, rank 0 only); with ``--recipe`` from the recipe function,
 with the same override grammar. ``--dry-run`` validates for the config's cluster size and prints the plan
 of the first global batch without torch or a GPU. Config errors exit with code 2.
@@ -17,18 +18,18 @@ of the first global batch without torch or a GPU. Config errors exit with code 2
 from __future__ import annotations
 
 import argparse
+import importlib.resources
 import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 from .config import ConfigError, TrainConfig, register_configs, to_train_config
 from .recipes import RECIPES
 
 __all__ = ["compose_config", "main"]
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "hydra_configs")
+CONFIG_DIR = str(importlib.resources.files("mcore_packing.hydra_configs"))
 
 
 def compose_config(

@@ -1,7 +1,8 @@
 """`StepPlanConfig`: how one global batch becomes micro-batches, and the checks every caller shares.
 
-One translation from NeMo-RL-style sections (``sequence_packing`` / ``dynamic_batching`` dicts) to a
-config, `StepPlanConfig.from_sections`, serves both `from_nemo_rl` and the trainer. One budget check,
+One translation from NeMo-RL-style sections (``sequence_packing`` / ``dynamic_batching`` dicts, whose
+keys are the fields of `sections.SequencePackingConfig` / `DynamicBatchingConfig`) to a config,
+`StepPlanConfig.from_sections`, serves both `from_nemo_rl` and the trainer. One budget check,
 `StepPlanConfig.check_fits`, serves the planner, the trainer's start-up check and the planning CLI.
 
 Budgets are per GPU. ``train_mb_tokens`` is what one rank processes in one micro-batch; with context
@@ -22,27 +23,13 @@ from .balance import BALANCES, ORDERS
 from .cost_model import CostModel
 from .layout import SINGLE_RANK, ParallelLayout
 from .padding import PaddingRule
+from .sections import section_keys
 
 __all__ = ["MODES", "StepPlanConfig"]
 
 MODES = ("packing", "dynamic", "padded")
 """``packing``: whole sequences in THD rows; ``dynamic``: similar lengths in padded BSHD rows;
 ``padded``: the baseline, ``padded_rows`` consecutive samples padded to their longest."""
-
-_SECTION_KEYS = {
-    "sequence_packing": {
-        "enabled",
-        "train_mb_tokens",
-        "logprob_mb_tokens",
-        "sequence_length_round",
-        "algorithm",
-        "refine",
-        "microbatch_order",
-        "cost_budget",
-    },
-    "dynamic_batching": {"enabled", "train_mb_tokens", "logprob_mb_tokens", "sequence_length_round"},
-}
-
 
 @dataclass(frozen=True, kw_only=True)
 class StepPlanConfig:
@@ -233,7 +220,8 @@ class StepPlanConfig:
 
 
 def _section_fields(name: str, section: dict) -> dict:
-    unknown = set(section) - _SECTION_KEYS[name]
+    keys = section_keys(name)
+    unknown = set(section) - keys
     if unknown:
-        raise ValueError(f"Unknown key(s) {sorted(unknown)} in {name}; valid keys: {sorted(_SECTION_KEYS[name])}.")
+        raise ValueError(f"Unknown key(s) {sorted(unknown)} in {name}; valid keys: {sorted(keys)}.")
     return {k: v for k, v in section.items() if k != "enabled" and v is not None}
