@@ -67,3 +67,69 @@ def grpo_example_worker(rank: int, world_size: int, *, root: str, steps: int, wa
     from mcore_packing.app.grpo_command import run_grpo
 
     return run_grpo(run_dir=root, steps=steps, warmup_steps=warmup_steps, log=lambda *_: None)
+
+
+def dpo_unpacked_worker(rank: int, world_size: int, *, root: str, overrides: list[str], steps: int):
+    """The trainer's DPO steps (`app.algorithms.dpo`) on one rank, and before each one the same batch's DPO
+    loss computed unpacked: one plain forward per sequence of the policy as it is, the reference from the
+    starting weights (the same forwards before any update), DPO in plain torch. Also the loss with chosen
+    and rejected swapped (a control the comparison must reject)."""
+    from mcore_packing.app.algorithms import get_algorithm
+    from mcore_packing.app.global_batches import GlobalBatchSampler
+    from mcore_packing.app.model_setup import default_device, device_context, setup_training
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    cfg = compose_config(None, [*overrides, f"run_dir={root}"])
+    inputs = prepare_run(cfg, world_size)
+    sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
+    samples = inputs.data.samples
+    results = []
+    with device_context(default_device()):
+        setup = setup_training(cfg, inputs.shape)
+        model = setup.policy.model
+        reference = _response_logprobs(model, samples, range(len(samples)), cfg.dpo.preference_average_log_probs)
+        take_step = get_algorithm("dpo").make_step(cfg, inputs, setup)
+        for _ in range(steps):
+            ids = inputs.data.sample_ids(sampler.next_batch())
+            expected = _unpacked_dpo(model, samples, ids, reference, cfg.dpo, swap=False)
+            swapped = _unpacked_dpo(model, samples, ids, reference, cfg.dpo, swap=True)
+            _, outcome, extra = take_step(ids)
+            results.append({"reported": outcome.result.loss, "expected": expected, "swapped": swapped,
+                            "accuracy": extra["accuracy"]})  # fmt: skip
+    return results
+
+
+def _response_logprobs(model, samples, ids, average: bool, *, sft: bool = False) -> dict:
+    """``{sample id: log-prob of its learned tokens}`` (sum or token mean), one forward per sequence."""
+    import torch
+    import torch.nn.functional as F
+
+    out = {}
+    with torch.no_grad():
+        for i in ids:
+            tokens = torch.as_tensor(samples[i].tokens)
+            n = tokens.numel()
+            logits = model(tokens[None], torch.arange(n)[None], None)[0].float()
+            logprobs = -F.cross_entropy(logits[:-1], tokens[1:], reduction="none")
+            mask = torch.as_tensor(samples[i].loss_mask[1:], dtype=torch.float32)
+            total = (logprobs * mask).sum()
+            out[i] = float(total / mask.sum() if average else total)
+    return out
+
+
+def _unpacked_dpo(model, samples, ids, reference: dict, dpo, *, swap: bool) -> float:
+    """Mean over the batch's pairs of the DPO loss (preference term + SFT term on the chosen response)."""
+    import math
+
+    policy = _response_logprobs(model, samples, ids, dpo.preference_average_log_probs)
+    sft = _response_logprobs(model, samples, ids, dpo.sft_average_log_probs)
+    losses = []
+    for chosen, rejected in zip(ids[0::2], ids[1::2], strict=True):
+        if swap:
+            chosen, rejected = rejected, chosen
+        margin = (policy[chosen] - reference[chosen]) - (policy[rejected] - reference[rejected])
+        z = dpo.reference_policy_kl_penalty * margin
+        preference = math.log1p(math.exp(-z)) if z > -30 else -z  # -log sigmoid(z)
+        losses.append(dpo.preference_loss_weight * preference - dpo.sft_loss_weight * sft[chosen])
+    return sum(losses) / len(losses)

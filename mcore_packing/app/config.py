@@ -1,9 +1,11 @@
 """The trainer's structured configuration: one dataclass per Hydra group, each validated when it is built.
 
 Groups (YAML in ``hydra_configs/<group>/``): model, optimizer, data, sequence_packing, dynamic_batching,
-parallel, training, logging, cluster, grpo, loss_fn. Keys of ``sequence_packing``, ``dynamic_batching``,
-``grpo`` and ``loss_fn`` are NeMo-RL's (``loss_fn`` is `losses.ClippedPGConfig` itself). The same
-dataclasses are registered in Hydra's ConfigStore (schemas); the defaults list lives in YAML.
+parallel, training, logging, cluster, grpo, loss_fn, dpo. Keys of ``sequence_packing``,
+``dynamic_batching``, ``grpo``, ``loss_fn`` and ``dpo`` are NeMo-RL's; those groups are the lower layers'
+own torch-free dataclasses (`planning.sections`, `rl.config`, `losses.ClippedPGConfig`), and ``model`` is
+generated from `planning.ModelShape`, so each key is declared once. The same dataclasses are registered in
+Hydra's ConfigStore (schemas); the YAML files hold the defaults list and only what differs.
 
 Each group checks its own keys in ``__post_init__`` (`ConfigError` naming ``group.key`` and the fix);
 `validate_layout` checks what spans groups or needs the world size; `plan_config` is the one
@@ -24,17 +26,18 @@ from ..losses import ClippedPGConfig
 from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
-from ..rl.config import GRPOConfig
+from ..rl.config import DPOConfig, GRPOConfig
 from ..validators import require_choice, require_positive_int
+from .algorithms import ALGORITHMS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # Megatron's OptimizerParamScheduler
 OPTIMIZERS = ("adam", "sgd")
 RESUME_CHOICES = (False, True, "auto")
-ALGORITHMS = ("sft", "grpo")
 
 __all__ = [
     "ClusterConfig",
     "ConfigError",
+    "DPOConfig",
     "DataConfig",
     "DynamicBatchingConfig",
     "GRPOConfig",
@@ -311,28 +314,25 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     loss_fn: ClippedPGConfig = field(default_factory=ClippedPGConfig)
-    algorithm: str = "sft"  # sft (NLL on data.*) | grpo (clipped policy gradient on grpo.rollouts)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    algorithm: str = "sft"  # sft (NLL on data.*) | grpo (clipped PG on grpo.rollouts) | dpo (on dpo.pairs)
     run_name: str = "sft-tiny"
     run_dir: str | None = None  # null: outputs/<$SLURM_JOB_ID or local>/<run_name> (the same on every rank)
     resume: Any = False  # false | true (the newest complete checkpoint; error if none) | auto (that, or start)
 
     @property
     def optimizer_steps(self) -> int:
-        """Optimizer (and LR schedule) steps of the run: ``training.steps``, times the minibatches of a GRPO
-        step."""
-        return self.training.steps * (self.grpo.num_minibatches if self.algorithm == "grpo" else 1)
+        """Optimizer (and LR schedule) steps of the run: ``training.steps`` times the algorithm's optimizer
+        steps per step (GRPO: ``grpo.num_minibatches``)."""
+        from .algorithms import get_algorithm
+
+        return self.training.steps * get_algorithm(self.algorithm).optimizer_steps(self)
 
     def __post_init__(self):
         if self.run_dir is None:
             self.run_dir = default_run_dir(self.run_name)
         require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
         require_choice("algorithm", self.algorithm, ALGORITHMS, error=ConfigError)
-        batched = self.sequence_packing.enabled or self.dynamic_batching.enabled
-        if self.algorithm == "grpo" and self.grpo.keep_groups_together and not batched:
-            raise ConfigError(
-                "grpo.keep_groups_together=true keeps a group in one micro-batch: it needs sequence_packing.enabled="
-                "true or dynamic_batching.enabled=true. Set grpo.keep_groups_together=false for padded batches."
-            )
 
 
 def default_run_dir(run_name: str) -> str:
@@ -353,13 +353,18 @@ GROUPS = {
     "cluster": ClusterConfig,
     "grpo": GRPOConfig,
     "loss_fn": ClippedPGConfig,
+    "dpo": DPOConfig,
 }
 
 
 def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
-    """Checks that span groups or need the world size; returns the run's layout."""
+    """Checks that span groups or need the world size (and the algorithm's config checks); returns the
+    run's layout."""
+    from .algorithms import get_algorithm
+
     par = cfg.parallel
     layout = par.layout(world_size)
+    get_algorithm(cfg.algorithm).check_config(cfg)
     if par.pp > 1 and cfg.dynamic_batching.enabled and not par.variable_seq_lengths:
         raise ConfigError(
             "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "

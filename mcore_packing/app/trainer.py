@@ -1,19 +1,18 @@
 """The training loop, wired from parts with one job each.
 
-    data      = load_data(cfg)                         SFT samples + vocabulary (`mcore_packing.data.sft`),
-                                                       or GRPO rollouts grouped by prompt (`rollout_data`)
-    layout    = config.validate_layout(cfg, world)     the run's ParallelLayout (world size checked)
-    plan cfg  = config.plan_config(cfg, layout)        the one config -> planner translation
-    setup     = model_setup.setup_training(cfg, vocab) distributed, model, Megatron optimizer + LR schedule
-    resume    = checkpoint.resume_folder(cfg)          newest complete checkpoint (resume=true|auto)
-    each step: sampler.next_batch -> the algorithm's step -> metrics.log_step -> checkpointer
-               sft:  plan_step -> megatron.train_step (NLL)
-               grpo: rl.rl_step (log-prob pass, then the clipped policy gradient through train_step)
-    stop      = stop_request.StopRequest               a cluster's "save and exit" (Slurm --signal)
+    algorithm = algorithms.get_algorithm(cfg.algorithm)  sft | grpo | dpo: data, units, the step
+    layout    = config.validate_layout(cfg, world)       the run's ParallelLayout (world size checked)
+    plan cfg  = config.plan_config(cfg, layout)          the one config -> planner translation
+    data      = algorithm.load_data(cfg)                 samples + the units a step draws (`RunData`)
+    setup     = model_setup.setup_training(cfg, shape)   distributed, policy, Megatron optimizer + LR schedule
+    resume    = checkpoint.resume_folder(cfg)            newest complete checkpoint (resume=true|auto)
+    each step: sampler.next_batch -> algorithm step -> metrics.log_step -> checkpointer
+    stop      = stop_request.StopRequest                 a cluster's "save and exit" (Slurm --signal)
 
-Every rank loads the same samples, draws the same global batch from a seeded sampler (samples for SFT,
-groups of responses for GRPO), plans it identically (no communication) and runs only its share.
-`dry_run` does everything up to the plan of the first global batch, without torch or Megatron.
+Every rank loads the same samples, draws the same global batch of units from a seeded sampler (samples
+for SFT, groups of responses for GRPO, pairs for DPO), plans it identically (no communication) and runs
+only its share. `dry_run` does everything up to the plan of the first global batch, without torch or
+Megatron.
 """
 
 from __future__ import annotations
@@ -22,57 +21,41 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from ..data.sft import SftData, load_sft_data
 from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
+from .algorithms import RunData, get_algorithm
 from .checkpoint import Checkpointer, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
-from .model_setup import TrainingSetup, build_model, default_device, device_context, setup_training
-from .rollout_data import RolloutData, load_rollout_data
+from .model_setup import default_device, device_context, setup_training
 from .stop_request import StopRequest
 
-__all__ = ["RunInputs", "dry_run", "load_data", "prepare_run", "quiet_megatron_on_cpu", "train"]
+__all__ = ["RunInputs", "dry_run", "prepare_run", "quiet_megatron_on_cpu", "train"]
 
 log = logging.getLogger("mcore_packing.train")
 
 
-def load_data(cfg: TrainConfig) -> SftData | RolloutData:
-    """The run's samples (``algorithm=grpo``: its rollouts); data problems (a missing file or field) are
-    config errors (exit 2)."""
-    if cfg.algorithm == "grpo":
-        return load_rollout_data(cfg.grpo)
-    try:
-        return load_sft_data(**asdict(cfg.data), tokenizer_path=cfg.model.hf_path)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"data: {exc}") from None
-
-
 @dataclass(frozen=True)
 class RunInputs:
-    """What a run needs before any torch or Megatron: the parallel layout, the planner config, the
-    samples and their lengths, and what a step draws: ``units`` (samples, or GRPO groups) of which
-    ``batch_units`` per step."""
+    """What a run needs before any torch or Megatron: the parallel layout, the planner config, the data
+    (`RunData`: samples and the units a step draws) and their lengths, the model shape, the checkpoint to
+    resume from, and how many units a step draws."""
 
     layout: ParallelLayout
     step_config: StepPlanConfig
-    data: SftData | RolloutData
+    data: RunData
     lengths: list[int]
     shape: ModelShape
     resume: Path | None
-    units: int
     batch_units: int
-
-    def sample_ids(self, unit_ids: list[int]) -> list[int]:
-        """The samples of the drawn units (a GRPO group's responses together)."""
-        return self.data.indices_of(unit_ids) if isinstance(self.data, RolloutData) else unit_ids
 
 
 def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> RunInputs:
     """Every check that needs no Megatron, in the order a user fixes them (errors come in a second)."""
+    algorithm = get_algorithm(cfg.algorithm)
     layout = validate_layout(cfg, world_size)
     step_config = plan_config(cfg, layout)
     if cfg.model.family != "gpt" and cfg.model.hf_path is None and not dry_run:
@@ -83,38 +66,17 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     if cfg.training.export_dir and cfg.model.hf_path is None and cfg.model.family == "gpt":
         raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
     resume = resume_folder(cfg)
-    data = load_data(cfg)
+    data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
     _warn_ignored_model_keys(cfg, shape)
     lengths = [len(s) for s in data.samples]
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
-    if isinstance(data, RolloutData):
-        if cfg.grpo.keep_groups_together:
-            _check_groups_fit(step_config, data, lengths, cfg.grpo.num_prompts_per_step)
-        units, batch_units = len(data.groups), cfg.grpo.num_prompts_per_step  # checked by load_rollout_data
-    else:
-        units, batch_units = len(lengths), cfg.training.global_batch_size
-        GlobalBatchSampler(units, batch_units, cfg.training.seed)  # batch <= data set
+    algorithm.check_data(cfg, data, step_config)
+    batch_units = algorithm.batch_units(cfg)
+    GlobalBatchSampler(data.num_units, batch_units, cfg.training.seed)  # a batch no larger than the data set
     return RunInputs(layout=layout, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
-                     units=units, batch_units=batch_units)  # fmt: skip
-
-
-def _check_groups_fit(step_config: StepPlanConfig, data: RolloutData, lengths: list[int], prompts: int) -> None:
-    """Every group must fit one micro-batch of the log-prob pass, and every DP rank needs a group of its
-    own (grpo.keep_groups_together)."""
-    if prompts < step_config.layout.dp:
-        raise ConfigError(
-            f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
-            "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
-        )
-    section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
-    key = f"{section}.{step_config.budget(forward_only=True)[0]}"
-    try:
-        step_config.check_groups_fit(lengths, [r.group_id for r in data.rollouts], forward_only=True, key=key)
-    except ValueError as exc:
-        raise ConfigError(f"{exc} (grpo.keep_groups_together=true keeps each group in one micro-batch of the "
-                          "log-prob pass; set it to false to let groups split.)") from None  # fmt: skip
+                     batch_units=batch_units)  # fmt: skip
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
@@ -130,7 +92,7 @@ def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
             )
 
 
-def _check_vocab(cfg: TrainConfig, data: SftData | RolloutData, shape: ModelShape) -> None:
+def _check_vocab(cfg: TrainConfig, data: RunData, shape: ModelShape) -> None:
     largest = max(int(s.tokens.max()) for s in data.samples)
     if largest >= shape.vocab_size:
         raise ConfigError(
@@ -143,21 +105,21 @@ def _check_vocab(cfg: TrainConfig, data: SftData | RolloutData, shape: ModelShap
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns a summary with the step losses (the same on every rank)."""
     inputs = prepare_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    sampler = GlobalBatchSampler(inputs.units, inputs.batch_units, cfg.training.seed)
+    sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
     summary = {"losses": [], "steps": [], "sample_ids": [], "mode": inputs.step_config.mode, "stopped_at": None}
     with device_context(default_device()):
         setup = setup_training(cfg, inputs.shape)
         _announce(cfg, setup, inputs.data, inputs.step_config.mode)
         summary["rank"] = setup.rank
-        extra = inputs.data.fingerprint_extra() if isinstance(inputs.data, RolloutData) else None
-        checkpointer = Checkpointer(cfg, setup.rank, inputs.layout, data_fingerprint(inputs.data.samples, extra))
+        fingerprint = data_fingerprint(inputs.data.samples, inputs.data.fingerprint_extra)
+        checkpointer = Checkpointer(cfg, setup.rank, inputs.layout, fingerprint)
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
-        take_step = _grpo_steps(cfg, inputs, setup) if cfg.algorithm == "grpo" else _sft_steps(cfg, inputs, setup)
+        take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
         metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.policy.device)
         for step in range(start + 1, cfg.training.steps + 1):
-            batch_ids = inputs.sample_ids(sampler.next_batch())
+            batch_ids = inputs.data.sample_ids(sampler.next_batch())
             plan, outcome, extra_metrics = take_step(batch_ids)
             metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
             summary["losses"].append(outcome.result.loss)
@@ -174,41 +136,6 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.training.export_dir and summary["stopped_at"] is None:
         _export_at_end(cfg, checkpointer, setup.rank)
     return summary
-
-
-def _sft_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
-    """SFT: ``take_step(sample_ids) -> (plan, StepOutcome, extra metrics)`` with the NLL."""
-
-    from ..megatron import nll_loss, train_step
-
-    loss = nll_loss(cfg.training.loss_normalization)
-
-    def take_step(batch_ids: list[int]):
-        plan = plan_step([inputs.lengths[i] for i in batch_ids], inputs.step_config)
-        samples = [inputs.data.samples[i] for i in batch_ids]
-        return plan, train_step(setup.policy, samples, plan, loss=loss), None
-
-    return take_step
-
-
-def _grpo_steps(cfg: TrainConfig, inputs: RunInputs, setup: TrainingSetup):
-    """GRPO: ``take_step(rollout_ids)`` runs `rl_step` on those rollouts (whole groups). The reference
-    policy is built once, from the policy's starting weights, only when the KL penalty needs it."""
-    from ..rl import rl_step
-
-    reference = None
-    if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        reference = build_model(cfg, inputs.shape, inputs.layout)
-
-    def take_step(batch_ids: list[int]):
-        rollouts = [inputs.data.rollouts[i] for i in batch_ids]
-        result = rl_step(setup.policy, rollouts, inputs.step_config, loss=cfg.loss_fn, grpo=cfg.grpo,
-                         reference=reference)  # fmt: skip
-        extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
-        extra.update(logprob_pass_s=result.logprob_seconds, train_pass_s=result.train_seconds)
-        return result.plan, result.outcome, extra
-
-    return take_step
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:
@@ -231,7 +158,7 @@ def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> N
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _announce(cfg: TrainConfig, setup, data: SftData | RolloutData, mode: str) -> None:
+def _announce(cfg: TrainConfig, setup, data: RunData, mode: str) -> None:
     pgs = setup.policy.process_groups
     if setup.rank == 0:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
@@ -245,18 +172,19 @@ def _announce(cfg: TrainConfig, setup, data: SftData | RolloutData, mode: str) -
 
 
 def dry_run(cfg: TrainConfig) -> dict:
-    """Validate for the config's cluster size and plan the first global batch; no GPU, no torch. A GRPO
-    config without ``grpo.rollouts`` is validated up to the data (there is no batch to plan)."""
+    """Validate for the config's cluster size and plan the first global batch; no GPU, no torch. A config
+    whose algorithm has no data to plan yet (GRPO without ``grpo.rollouts``, DPO without ``dpo.pairs``) is
+    validated up to the data."""
     world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
-    if cfg.algorithm == "grpo" and not cfg.grpo.rollouts:
+    missing = get_algorithm(cfg.algorithm).missing_data(cfg)
+    if missing is not None:
         layout = validate_layout(cfg, world)
         plan_config(cfg, layout)
-        note = "grpo.rollouts is not set: layout and config checked; set it to plan the first step"
-        return {"world_size": world, "layout": layout.to_dict(), "algorithm": "grpo", "first_global_batch": None,
-                "note": note}  # fmt: skip
+        return {"world_size": world, "layout": layout.to_dict(), "algorithm": cfg.algorithm,
+                "first_global_batch": None, "note": missing}  # fmt: skip
     inputs = prepare_run(cfg, world, dry_run=True)
-    sampler = GlobalBatchSampler(inputs.units, inputs.batch_units, cfg.training.seed)
-    batch = [inputs.lengths[i] for i in inputs.sample_ids(sampler.next_batch())]
+    sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
+    batch = [inputs.lengths[i] for i in inputs.data.sample_ids(sampler.next_batch())]
     plan = plan_step(batch, inputs.step_config)  # the training pass (GRPO: groups may split there)
     return {
         "world_size": world,

@@ -1,5 +1,6 @@
-"""`GRPOConfig`: the GRPO step's settings, without torch (NeMo-RL's ``grpo`` keys; also the trainer's
-``grpo`` Hydra group, so a login node's dry run reads it without a GPU stack)."""
+"""`GRPOConfig` and `DPOConfig`: the RL steps' settings, without torch (NeMo-RL's ``grpo`` and ``dpo``
+keys; also the trainer's ``grpo`` and ``dpo`` Hydra groups, so a login node's dry run reads them without a
+GPU stack)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 from ..validators import require_positive_int
 
-__all__ = ["GRPOConfig"]
+__all__ = ["DPOConfig", "GRPOConfig"]
 
 
 @dataclass(kw_only=True)
@@ -37,3 +38,29 @@ class GRPOConfig:
         require_positive_int("num_generations_per_prompt", self.num_generations_per_prompt, allow_none=True)
         if self.num_generations_per_prompt == 1:
             raise ValueError("num_generations_per_prompt=1: GRPO compares several responses per prompt; use >= 2.")
+
+
+@dataclass(kw_only=True)
+class DPOConfig:
+    """``algorithm=dpo``: Direct Preference Optimization on (chosen, rejected) pairs (NeMo-RL's ``dpo`` keys,
+    plus ``pairs``). The pair loss is ``preference_loss_weight * -log sigmoid(beta * margin)`` plus
+    ``sft_loss_weight`` times the chosen response's NLL, averaged over the pairs of a step, where
+    ``margin = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log ref(rejected))`` and ``ref``
+    is the policy's starting weights. Each trainer step takes ``training.global_batch_size`` pairs."""
+
+    pairs: str | None = None  # JSONL: prompt/chosen/rejected (text or chat messages) or *_tokens (ids)
+    reference_policy_kl_penalty: float = 0.05  # beta: how far the policy may move from the reference
+    preference_loss_weight: float = 1.0
+    sft_loss_weight: float = 0.0  # > 0 adds the chosen response's NLL (per token with sft_average_log_probs)
+    preference_average_log_probs: bool = False  # a response's log-prob: its token mean instead of its sum
+    sft_average_log_probs: bool = False
+
+    def __post_init__(self):
+        for name in ("reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{name}={value!r} must be a number >= 0.")
+        if self.reference_policy_kl_penalty == 0:
+            raise ValueError("reference_policy_kl_penalty=0 makes the preference loss constant (log 2); use > 0.")
+        if self.preference_loss_weight == 0 and self.sft_loss_weight == 0:
+            raise ValueError("preference_loss_weight and sft_loss_weight are both 0: nothing to train; set one > 0.")

@@ -25,6 +25,7 @@ from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, minibatc
 from ..megatron import PerSample, Policy, StepOutcome, compute_logprobs, train_step
 from ..planning import StepPlan, StepPlanConfig, plan_step
 from .config import GRPOConfig
+from .metrics import sum_over_ranks
 
 __all__ = ["RLStepResult", "rl_step"]
 
@@ -155,14 +156,8 @@ def _entropy(old_logprobs, samples) -> float:
 
 def _reduce_metrics(sums: dict, device) -> dict:
     """Token-weighted means over every rank (TP, CP and the stages without a loss scale all counts alike)."""
-    import torch
-    import torch.distributed as dist
-
     keys = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl")
-    values = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
-    tokens, clipped, kl, ratio, reference_kl = values.cpu().tolist()
+    tokens, clipped, kl, ratio, reference_kl = sum_over_ranks([sums[k] for k in keys], device)
     tokens = max(tokens, 1.0)
     return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens, "mean_ratio": ratio / tokens,
             "reference_kl": reference_kl / tokens}  # fmt: skip

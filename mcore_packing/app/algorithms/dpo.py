@@ -1,0 +1,85 @@
+"""``algorithm=dpo``: Direct Preference Optimization on (chosen, rejected) pairs from ``dpo.pairs`` (JSONL),
+``training.global_batch_size`` pairs per step, through `rl.dpo_step`.
+
+The unit a step draws is a pair; each pair is kept in one micro-batch of the training pass (packing or
+dynamic batching). Text and chat pairs are tokenized like SFT data (``model.hf_path``'s tokenizer and chat
+template, else ``data.encoding`` mapped to ``data.vocab_size``); pairs with a response over
+``data.max_sample_tokens`` are dropped and counted. The reference is the policy's starting weights
+(``model.hf_path``, else the same seeded initialization), built once.
+"""
+
+from __future__ import annotations
+
+from ...data.preference import load_preference_data
+from ..config import ConfigError
+from . import RunData
+
+
+def check_config(cfg) -> None:
+    if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
+        raise ConfigError(
+            "algorithm=dpo keeps each (chosen, rejected) pair in one micro-batch: it needs sequence_packing.enabled"
+            "=true or dynamic_batching.enabled=true."
+        )
+
+
+def missing_data(cfg) -> str | None:
+    if cfg.dpo.pairs:
+        return None
+    return "dpo.pairs is not set: layout and config checked; set it to plan the first step"
+
+
+def load_data(cfg) -> RunData:
+    """Read, check and tokenize ``dpo.pairs``; errors name ``file:line`` and the fix."""
+    if not cfg.dpo.pairs:
+        raise ConfigError(
+            "algorithm=dpo needs dpo.pairs=/path/pairs.jsonl: one JSON object per line with prompt, chosen and "
+            "rejected (text or chat messages), or prompt_tokens, chosen_tokens and rejected_tokens."
+        )
+    try:
+        data = load_preference_data(
+            cfg.dpo.pairs,
+            tokenizer_path=cfg.model.hf_path,
+            encoding=cfg.data.encoding,
+            vocab_size=cfg.data.vocab_size,
+            max_sample_tokens=cfg.data.max_sample_tokens,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"dpo.pairs: {exc}") from None
+    units = [[2 * i, 2 * i + 1] for i in range(len(data.samples) // 2)]
+    return RunData(samples=data.samples, vocab_size=data.vocab_size, info=data.info, units=units)
+
+
+def check_data(cfg, data: RunData, step_config) -> None:
+    """Every pair fits one micro-batch of the training pass."""
+    section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
+    pairs = [i // 2 for i in range(len(data.samples))]
+    try:
+        step_config.check_groups_fit([len(s) for s in data.samples], pairs, key=f"{section}.train_mb_tokens")
+    except ValueError as exc:
+        raise ConfigError(f"dpo.pairs: {exc} (a pair shares one micro-batch)") from None
+
+
+def batch_units(cfg) -> int:
+    return cfg.training.global_batch_size
+
+
+def optimizer_steps(cfg) -> int:
+    return 1
+
+
+def make_step(cfg, inputs, setup):
+    """``take_step(sample_ids)`` (whole pairs, in pair order) runs `rl.dpo_step` against the reference."""
+    from ...rl import dpo_step
+    from ..model_setup import build_model
+
+    reference = build_model(cfg, inputs.shape, inputs.layout)
+
+    def take_step(batch_ids: list[int]):
+        samples = [inputs.data.samples[i] for i in batch_ids]
+        result = dpo_step(setup.policy, reference, samples, inputs.step_config, dpo=cfg.dpo)
+        extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
+        extra.update(reference_pass_s=result.reference_seconds, train_pass_s=result.train_seconds)
+        return result.plan, result.outcome, extra
+
+    return take_step

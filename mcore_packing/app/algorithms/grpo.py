@@ -1,0 +1,113 @@
+"""``algorithm=grpo``: the clipped policy gradient (``loss_fn``) on rollouts your inference engine wrote
+(``grpo.rollouts``, JSONL), whole groups per step (``grpo.num_prompts_per_step``), through `rl.rl_step`.
+
+Every rank reads the same file. The unit a step draws is a group (all responses to one prompt, responses
+in file order). Generation is the user's inference engine's job; this file is what it wrote.
+"""
+
+from __future__ import annotations
+
+from ...losses.rollouts import check_rollouts, group_members, read_rollouts_jsonl, rollout_samples
+from ..config import ConfigError
+from . import RunData
+
+
+def check_config(cfg) -> None:
+    batched = cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled
+    if cfg.grpo.keep_groups_together and not batched:
+        raise ConfigError(
+            "grpo.keep_groups_together=true keeps a group in one micro-batch: it needs sequence_packing.enabled="
+            "true or dynamic_batching.enabled=true. Set grpo.keep_groups_together=false for padded batches."
+        )
+
+
+def missing_data(cfg) -> str | None:
+    if cfg.grpo.rollouts:
+        return None
+    return "grpo.rollouts is not set: layout and config checked; set it to plan the first step"
+
+
+def load_data(cfg) -> RunData:
+    """Read and check ``grpo.rollouts``; errors name the line, rollout or group and the fix."""
+    grpo = cfg.grpo
+    if not grpo.rollouts:
+        raise ConfigError(
+            "algorithm=grpo needs grpo.rollouts=/path/rollouts.jsonl: one JSON object per sampled response with "
+            "prompt_tokens, response_tokens, reward, group_id (and optionally generation_logprobs), written by "
+            "your inference engine."
+        )
+    try:
+        rollouts = read_rollouts_jsonl(grpo.rollouts)
+        check_rollouts(rollouts, grpo=True)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"grpo.rollouts: {exc}") from None
+    members = group_members([r.group_id for r in rollouts])
+    groups = list(members.values())
+    want = grpo.num_generations_per_prompt
+    if want is not None:
+        wrong = [(g, len(idx)) for g, idx in members.items() if len(idx) != want]
+        if wrong:
+            raise ConfigError(
+                f"grpo.num_generations_per_prompt={want}, but group(s) {wrong[:5]} (id, responses) differ in "
+                f"{grpo.rollouts}. Fix the file, or set grpo.num_generations_per_prompt=null to accept any group size."
+            )
+    if grpo.num_prompts_per_step > len(groups):
+        raise ConfigError(
+            f"grpo.num_prompts_per_step={grpo.num_prompts_per_step} is more than the {len(groups)} groups in "
+            f"{grpo.rollouts}. Lower it, or write more rollouts."
+        )
+    largest = max(max(*r.prompt_tokens, *r.response_tokens, 0) for r in rollouts)
+    info = {"source": "rollouts", "path": grpo.rollouts, "rollouts": len(rollouts), "groups": len(groups),
+            "tokenizer": "the rollouts' own token ids"}  # fmt: skip
+    return RunData(samples=rollout_samples(rollouts), vocab_size=int(largest) + 1, info=info, units=groups,
+                   records=rollouts, fingerprint_extra=[[r.reward, str(r.group_id)] for r in rollouts])  # fmt: skip
+
+
+def check_data(cfg, data: RunData, step_config) -> None:
+    """With ``grpo.keep_groups_together`` every group must fit one micro-batch of the log-prob pass, and
+    every DP rank needs a group of its own."""
+    if not cfg.grpo.keep_groups_together:
+        return
+    prompts = cfg.grpo.num_prompts_per_step
+    if prompts < step_config.layout.dp:
+        raise ConfigError(
+            f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
+            "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
+        )
+    section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
+    key = f"{section}.{step_config.budget(forward_only=True)[0]}"
+    lengths = [len(s) for s in data.samples]
+    try:
+        step_config.check_groups_fit(lengths, [r.group_id for r in data.records], forward_only=True, key=key)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} (grpo.keep_groups_together=true keeps each group in one micro-batch of the "
+                          "log-prob pass; set it to false to let groups split.)") from None  # fmt: skip
+
+
+def batch_units(cfg) -> int:
+    return cfg.grpo.num_prompts_per_step  # at most the groups in the file: checked by load_data
+
+
+def optimizer_steps(cfg) -> int:
+    return cfg.grpo.num_minibatches
+
+
+def make_step(cfg, inputs, setup):
+    """``take_step(rollout_ids)`` runs `rl.rl_step` on those rollouts (whole groups). The reference policy
+    is built once, from the policy's starting weights, only when the KL penalty needs it."""
+    from ...rl import rl_step
+    from ..model_setup import build_model
+
+    reference = None
+    if cfg.loss_fn.reference_policy_kl_penalty > 0:
+        reference = build_model(cfg, inputs.shape, inputs.layout)
+
+    def take_step(batch_ids: list[int]):
+        rollouts = [inputs.data.records[i] for i in batch_ids]
+        result = rl_step(setup.policy, rollouts, inputs.step_config, loss=cfg.loss_fn, grpo=cfg.grpo,
+                         reference=reference)  # fmt: skip
+        extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
+        extra.update(logprob_pass_s=result.logprob_seconds, train_pass_s=result.train_seconds)
+        return result.plan, result.outcome, extra
+
+    return take_step
