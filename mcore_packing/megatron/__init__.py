@@ -7,7 +7,9 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `attention`: `PackedCoreAttention`, THD/BSHD causal attention for the local layer spec.
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
 - `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`.
-- `cpu_device`: `cpu_device_adapter()`, Megatron's hard-coded CUDA call sites redirected on CPU.
+- `_patches`: every change to megatron-core's or torch's behaviour, each tied to the megatron-core versions
+  it applies to: `cpu_device_adapter()` (Megatron's hard-coded CUDA call sites redirected on CPU), the
+  distributed optimizer's torch-Adam load repairs.
 - `process_groups`: `ProcessGroups` over Megatron's ``ProcessGroupCollection`` (the one reader of
   ``parallel_state`` on the step path), `verify_plan_across_ranks`.
 - `prepare`: this rank's `PreparedMicroBatch`es, and `per_sample_logprobs` back from the output.
@@ -18,8 +20,8 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `train_step`: `train_step`: `forward_backward`, then Megatron's optimizer and LR schedule steps.
 """
 
+from ._patches.cpu_device import CpuDeviceAdapter, cpu_device_adapter
 from .attention import PackedCoreAttention
-from .cpu_device import CpuDeviceAdapter, cpu_device_adapter
 from .layer_spec import (
     LocalLayerNorm,
     LocalRMSNorm,

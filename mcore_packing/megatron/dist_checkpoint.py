@@ -7,18 +7,21 @@ TP shards, and the distributed optimizer's state is saved per parameter in model
 layout; they are restored only when the layout is the same (with another layout no rank has a
 predecessor to take them from).
 
-What is loaded back is tensors and plain containers: ``dist_checkpointing`` reads ``common.pt`` with
+Loading goes through `_patches.torch_adam_load` (two megatron-core load bugs of the distributed
+optimizer on torch's Adam, repaired where they apply). What is loaded back is tensors and plain
+containers: ``dist_checkpointing`` reads ``common.pt`` with
 ``torch.load`` under torch's ``weights_only`` default (no arbitrary objects); `load_training_state`
 refuses to run if that default was turned off.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
 
 import torch
+
+from ._patches import torch_adam_load
 
 __all__ = ["load_training_state", "save_training_state"]
 
@@ -73,61 +76,6 @@ def _sharded_state(model, optimizer, *, with_rng: bool, loading: bool) -> dict:
     return state
 
 
-def _distributed_optimizers(optimizer) -> list:
-    """The DistributedOptimizers inside ``optimizer`` (Megatron chains one per parameter kind)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    inner = getattr(optimizer, "chained_optimizers", [optimizer])
-    return [o for o in inner if isinstance(o, DistributedOptimizer)]
-
-
-def _allocate_optimizer_state(optimizer) -> None:
-    """The distributed optimizer reads its inner optimizer's step count while building the state dict to
-    load into; torch's Adam (used where neither TransformerEngine nor Apex is installed) has none before
-    its first step. Megatron's own dummy step (zero gradients, on the fp32 main shards only) allocates it;
-    everything it touches is overwritten by the load."""
-    for inner in _distributed_optimizers(optimizer):
-        if not inner.optimizer.state:
-            inner._init_optimizer_states_with_dummy_values()
-
-
-@contextlib.contextmanager
-def _torch_adam_steps_restored(optimizer):
-    """Two spots where megatron-core 0.16's distributed optimizer mishandles torch's Adam (the optimizer
-    it uses without TransformerEngine or Apex) on load; both are repaired here, nothing else changes.
-
-    - It copies each saved state tensor over the live ones, expecting a saved 'step' tensor that
-      ``fully_reshardable`` checkpoints do not hold (KeyError 'step'): each parameter's live step is
-      offered as its own source (a copy onto itself).
-    - It restores the step count as ONE tensor shared by every parameter's state; torch's Adam
-      increments each parameter's step in place, so the shared count would advance once per parameter
-      per step and the bias correction would be wrong from the first step after a resume (found by the
-      resume-equivalence test). Each parameter gets its own copy.
-    """
-    patched = [
-        inner for inner in _distributed_optimizers(optimizer) if isinstance(inner.optimizer, torch.optim.Optimizer)
-    ]
-    for inner in patched:
-        original = inner._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, inner=inner, original=original):
-            group_index, group_order = inner.model_param_group_index_map[model_param]
-            live = inner.optimizer.state[inner.optimizer.param_groups[group_index]["params"][group_order]]
-            if "step" in live and "step" not in tensors:
-                tensors = {**tensors, "step": live["step"]}
-            return original(model_param, tensors)
-
-        inner._set_main_param_and_optimizer_states = set_states
-    try:
-        yield
-    finally:
-        for inner in patched:
-            del inner._set_main_param_and_optimizer_states
-            for state in inner.optimizer.state.values():
-                if isinstance(state.get("step"), torch.Tensor):
-                    state["step"] = state["step"].clone()
-
-
 def save_training_state(directory: str | os.PathLike, model, optimizer) -> None:
     """Collective: every rank writes its shards of the model, optimizer and RNG state into ``directory``
     (created; must be empty). Returns when every rank's files are written."""
@@ -148,13 +96,13 @@ def load_training_state(directory: str | os.PathLike, model, optimizer, *, resto
             "checkpoint. Unset it to resume."
         )
     if optimizer is not None:
-        _allocate_optimizer_state(optimizer)
+        torch_adam_load.allocate_optimizer_state(optimizer)
     state = dist_checkpointing.load(
         _sharded_state(model, optimizer, with_rng=restore_rng, loading=True), str(directory)
     )
     _unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
-        with _torch_adam_steps_restored(optimizer):
+        with torch_adam_load.repaired(optimizer):
             optimizer.load_state_dict(state["optimizer"])
     if restore_rng:
         rng = state[_RNG_KEY]

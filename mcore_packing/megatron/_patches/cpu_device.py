@@ -134,7 +134,7 @@ class CpuDeviceAdapter:
     def _record(self, module: str, call: str) -> None:
         frame = sys._getframe(2)
         # Walk out of our own frames to the Megatron function that made the call.
-        while frame is not None and frame.f_globals.get("__name__", "").startswith("mcore_packing.megatron.cpu"):
+        while frame is not None and frame.f_globals.get("__name__", "") == __name__:
             frame = frame.f_back
         function = frame.f_code.co_name if frame is not None else "?"
         with self._lock:

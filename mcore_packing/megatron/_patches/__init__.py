@@ -1,0 +1,78 @@
+"""Every place mcore_packing changes megatron-core's or torch's behaviour, in one package, each tied to the
+megatron-core versions it applies to and pinned by a test.
+
+- `cpu_device`: the CPU stand-in for Megatron's hard-coded CUDA call sites. It replaces the ``torch``
+  global of the listed Megatron modules and, process-wide while the adapter is active,
+  ``torch.Tensor.cuda`` and ``torch.Tensor.type`` (their answers differ only for calls from those
+  modules). CPU-only machines; its call sites are pinned per megatron-core version by the tests that run
+  it (test_step_equivalence.py, test_checkpoint.py, test_megatron_packed.py).
+- `torch_adam_load`: two load bugs of the distributed optimizer on torch's Adam (no TE/Apex): KeyError
+  'step', and one step tensor shared by every parameter. `TORCH_ADAM_LOAD.versions`; its call sites are
+  pinned by source hash (tests/test_patches.py).
+
+`Patch` records what a patch touches (``module:qualname`` of each Megatron function it wraps or whose
+behaviour it depends on) and the source hash of each, per megatron-core version it was verified on.
+`tests/test_patches.py` fails when the installed megatron-core is in a patch's range but has no verified
+hashes, or when a call site's source changed: re-verify the patch, then record the new hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+from dataclasses import dataclass, field
+
+from ...compat import megatron_core_version
+
+__all__ = ["PATCHES", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Patch:
+    """One patch: ``versions`` is the ``[low, high)`` range of megatron-core versions it applies to;
+    ``verified`` maps each version it was checked on to ``{call site: source hash}``."""
+
+    name: str
+    what: str
+    versions: tuple[tuple[int, ...], tuple[int, ...]]
+    verified: dict[str, dict[str, str]] = field(default_factory=dict)
+
+    def applies(self, version: str | None = None) -> bool:
+        """Whether the installed (or the given) megatron-core version is in this patch's range."""
+        found = _version_tuple(version or megatron_core_version())
+        low, high = self.versions
+        return bool(found) and low <= found < high
+
+
+def source_hash(call_site: str) -> str:
+    """The first 16 hex digits of the sha256 of ``module:qualname``'s source in the installed version."""
+    module, qualname = call_site.split(":")
+    obj = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
+
+
+TORCH_ADAM_LOAD = Patch(
+    name="torch_adam_load",
+    what="the distributed optimizer's load on torch's Adam: KeyError 'step'; one step tensor shared by every "
+    "parameter (silently wrong bias correction after a resume)",
+    versions=((0, 16), (0, 20)),
+    verified={
+        "0.16.1": {
+            "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.load_state_dict": "15f257b4c4f9a7ef",
+            "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._set_main_param_and_optimizer_states":
+                "93c254228283b2df",
+            "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._init_optimizer_states_with_dummy_values":
+                "0338de756278b654",
+        },
+    },
+)  # fmt: skip
+
+PATCHES = (TORCH_ADAM_LOAD,)
+"""The patches with pinned call sites (the CPU adapter pins its call sites through the tests that run it)."""
