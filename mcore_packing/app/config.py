@@ -27,7 +27,7 @@ from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlan
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import DPOConfig, GRPOConfig
-from ..validators import require_choice, require_positive_int
+from ..validators import InvalidValue, require_choice, require_positive_int
 from .algorithms import ALGORITHMS
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # Megatron's OptimizerParamScheduler
@@ -57,8 +57,9 @@ __all__ = [
 ]
 
 
-class ConfigError(ValueError):
-    """A configuration mistake; the message names the key and the fix."""
+class ConfigError(InvalidValue):
+    """A configuration mistake; the message names the key and the fix. The commands turn it (and only it)
+    into exit code 2; any other exception is a crash and keeps its traceback."""
 
 
 def _positive(group: str, obj, *names: str, allow_none: bool = False) -> None:
@@ -455,6 +456,6 @@ def to_train_config(cfg: Any) -> TrainConfig:
             parts[key] = GROUPS[key](**mapping.pop(key))
         except ConfigError:
             raise
-        except ValueError as exc:  # a group defined below app (loss_fn) names its keys without the group
-            raise ConfigError(f"{key}.{exc}") from None
+        except InvalidValue as exc:  # a group defined below app (loss_fn, grpo, ...) names its keys without it
+            raise ConfigError(f"{key}.{exc}", key=f"{key}.{exc.key}") from None
     return TrainConfig(**parts, **mapping)

@@ -49,7 +49,11 @@ def compose_config(
         if recipe not in RECIPES:
             raise ConfigError(f"Unknown recipe {recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
         kwargs = {k: v for k, v in {"num_nodes": num_nodes, "gpus_per_node": gpus_per_node}.items() if v is not None}
-        ConfigStore.instance().store(name=f"recipe_{recipe}", node=OmegaConf.structured(RECIPES[recipe](**kwargs)))
+        try:
+            recipe_config = RECIPES[recipe](**kwargs)
+        except ValueError as exc:  # the cluster cannot hold the recipe's layout
+            raise ConfigError(str(exc)) from None
+        ConfigStore.instance().store(name=f"recipe_{recipe}", node=OmegaConf.structured(recipe_config))
         context, name = initialize(version_base="1.3", config_path=None), f"recipe_{recipe}"
     with context:
         try:
@@ -71,26 +75,38 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .trainer import dry_run, quiet_megatron_on_cpu, train
+    from .trainer import quiet_megatron_on_cpu
 
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
     quiet_megatron_on_cpu()
     if args.recipe is None and not args.dry_run:
         return _hydra_main(overrides)
+    return exit_2_on_config_error(lambda: _run(args, overrides))
+
+
+def exit_2_on_config_error(run) -> int:
+    """The one place a command turns a `ConfigError` into its message on stderr and exit code 2; anything
+    else raised by ``run`` is a crash and propagates with its traceback."""
     try:
-        cfg = compose_config(args.recipe, overrides, num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node)
-        if args.dry_run:
-            print(json.dumps(dry_run(cfg), indent=1))
-            what = f"recipe {args.recipe}" if args.recipe else "the default config"
-            nodes, gpus = cfg.cluster.num_nodes, cfg.cluster.gpus_per_node
-            print(f"dry run OK: {what} is valid for {nodes} node(s) x {gpus} GPU(s)")
-            return 0
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
-        _report(train(cfg))
-        return 0
-    except (ConfigError, ValueError, FileNotFoundError) as exc:
+        run()
+    except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _run(args: argparse.Namespace, overrides: list[str]) -> None:
+    from .trainer import dry_run, train
+
+    cfg = compose_config(args.recipe, overrides, num_nodes=args.num_nodes, gpus_per_node=args.gpus_per_node)
+    if args.dry_run:
+        print(json.dumps(dry_run(cfg), indent=1))
+        what = f"recipe {args.recipe}" if args.recipe else "the default config"
+        nodes, gpus = cfg.cluster.num_nodes, cfg.cluster.gpus_per_node
+        print(f"dry run OK: {what} is valid for {nodes} node(s) x {gpus} GPU(s)")
+        return
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    _report(train(cfg))
 
 
 def _hydra_main(overrides: list[str]) -> int:
@@ -108,11 +124,9 @@ def _hydra_main(overrides: list[str]) -> int:
     @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
     def _main(raw: DictConfig) -> None:
         quiet_megatron_on_cpu()  # Hydra's job logging was just configured
-        try:
-            _report(train(to_train_config(raw)))
-        except ConfigError as exc:
-            print(f"config error: {exc}", file=sys.stderr)
-            sys.exit(2)
+        code = exit_2_on_config_error(lambda: _report(train(to_train_config(raw))))
+        if code:
+            sys.exit(code)
 
     sys.argv = [sys.argv[0], *overrides]
     _main()

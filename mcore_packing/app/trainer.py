@@ -185,7 +185,10 @@ def dry_run(cfg: TrainConfig) -> dict:
     inputs = prepare_run(cfg, world, dry_run=True)
     sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
     batch = [inputs.lengths[i] for i in inputs.data.sample_ids(sampler.next_batch())]
-    plan = plan_step(batch, inputs.step_config)  # the training pass (GRPO: groups may split there)
+    try:
+        plan = plan_step(batch, inputs.step_config)  # the training pass (GRPO: groups may split there)
+    except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
+        raise ConfigError(f"the first global batch: {exc}") from None
     return {
         "world_size": world,
         "layout": inputs.layout.to_dict(),

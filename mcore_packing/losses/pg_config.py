@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validators import require_choice
+from ..validators import InvalidValue, require_choice
 
 __all__ = ["KL_ESTIMATORS", "ClippedPGConfig"]
 
@@ -29,9 +29,10 @@ class ClippedPGConfig:
         for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or value < 0 or value != value:
-                raise ValueError(f"{name}={value!r} must be a number >= 0.")
+                raise InvalidValue(f"{name}={value!r} must be a number >= 0.", key=name)
         if self.ratio_clip_c is not None and not self.ratio_clip_c > 1:
-            raise ValueError(f"ratio_clip_c={self.ratio_clip_c!r} must be > 1 (null/None: no dual clip).")
+            message = f"ratio_clip_c={self.ratio_clip_c!r} must be > 1 (null/None: no dual clip)."
+            raise InvalidValue(message, key="ratio_clip_c")
         require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
 
     @property

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..validators import require_positive_int
+from ..validators import InvalidValue, require_positive_int
 
 __all__ = ["DPOConfig", "GRPOConfig"]
 
@@ -31,13 +31,15 @@ class GRPOConfig:
         for name in ("num_prompts_per_step", "num_minibatches"):
             require_positive_int(name, getattr(self, name))
         if self.num_minibatches > self.num_prompts_per_step:
-            raise ValueError(
+            raise InvalidValue(
                 f"num_minibatches={self.num_minibatches} is more than num_prompts_per_step="
-                f"{self.num_prompts_per_step}: a minibatch holds whole groups. Lower it."
+                f"{self.num_prompts_per_step}: a minibatch holds whole groups. Lower it.",
+                key="num_minibatches",
             )
         require_positive_int("num_generations_per_prompt", self.num_generations_per_prompt, allow_none=True)
         if self.num_generations_per_prompt == 1:
-            raise ValueError("num_generations_per_prompt=1: GRPO compares several responses per prompt; use >= 2.")
+            raise InvalidValue("num_generations_per_prompt=1: GRPO compares several responses per prompt; use >= 2.",
+                               key="num_generations_per_prompt")
 
 
 @dataclass(kw_only=True)
@@ -59,8 +61,10 @@ class DPOConfig:
         for name in ("reference_policy_kl_penalty", "preference_loss_weight", "sft_loss_weight"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{name}={value!r} must be a number >= 0.")
+                raise InvalidValue(f"{name}={value!r} must be a number >= 0.", key=name)
         if self.reference_policy_kl_penalty == 0:
-            raise ValueError("reference_policy_kl_penalty=0 makes the preference loss constant (log 2); use > 0.")
+            raise InvalidValue("reference_policy_kl_penalty=0 makes the preference loss constant (log 2); use > 0.",
+                               key="reference_policy_kl_penalty")
         if self.preference_loss_weight == 0 and self.sft_loss_weight == 0:
-            raise ValueError("preference_loss_weight and sft_loss_weight are both 0: nothing to train; set one > 0.")
+            raise InvalidValue("preference_loss_weight and sft_loss_weight are both 0: nothing to train; set one > 0.",
+                               key="preference_loss_weight")

@@ -1,0 +1,56 @@
+"""One error path: lower layers raise `InvalidValue` carrying the key they were given, the app names it with
+its config group, the commands turn `ConfigError` (and only it) into exit 2, and a crash during training
+keeps its traceback instead of being reported as a config error."""
+
+from __future__ import annotations
+
+import pytest
+
+from mcore_packing.app import trainer
+from mcore_packing.app.config import ConfigError
+from mcore_packing.app.train_command import compose_config, main
+from mcore_packing.losses import ClippedPGConfig
+from mcore_packing.rl import DPOConfig, GRPOConfig
+from mcore_packing.validators import InvalidValue, require_positive_int
+
+
+@pytest.mark.parametrize(
+    ("build", "key"),
+    [
+        (lambda: ClippedPGConfig(ratio_clip_c=0.5), "ratio_clip_c"),
+        (lambda: GRPOConfig(num_minibatches=0), "num_minibatches"),
+        (lambda: DPOConfig(sft_loss_weight=-1), "sft_loss_weight"),
+        (lambda: require_positive_int("dp", 0), "dp"),
+    ],
+)
+def test_lower_layers_raise_typed_errors_with_their_key(build, key):
+    with pytest.raises(InvalidValue) as err:
+        build()
+    assert err.value.key == key and str(err.value).startswith(key)
+
+
+def test_the_app_names_the_key_with_its_group():
+    with pytest.raises(ConfigError) as err:
+        compose_config(None, ["dpo.sft_loss_weight=-1"])
+    assert err.value.key == "dpo.sft_loss_weight" and str(err.value).startswith("dpo.sft_loss_weight=-1")
+
+
+def test_a_config_error_exits_2_and_a_crash_keeps_its_traceback(tmp_path, monkeypatch, capsys):
+    def config_mistake(cfg):
+        raise ConfigError("training.steps: a mistake")
+
+    def crash(cfg):
+        raise ValueError("an internal invariant broke")
+
+    monkeypatch.setattr(trainer, "train", config_mistake)
+    assert main(["--recipe", "tiny_cpu_sft", f"run_dir={tmp_path}"]) == 2
+    assert "config error: training.steps: a mistake" in capsys.readouterr().err
+    monkeypatch.setattr(trainer, "train", crash)  # control: the same path, another exception
+    with pytest.raises(ValueError, match="an internal invariant broke"):
+        main(["--recipe", "tiny_cpu_sft", f"run_dir={tmp_path}"])
+    assert "config error" not in capsys.readouterr().err
+
+
+def test_a_recipe_that_does_not_fit_the_cluster_is_a_config_error(capsys):
+    assert main(["--recipe", "llama3_70b_sft_long_context", "--num-nodes", "1", "--dry-run"]) == 2
+    assert "needs a multiple of" in capsys.readouterr().err
