@@ -66,8 +66,8 @@ def main(argv=None) -> int:
     rows, shares = [], []
     with cpu_device_adapter() if not torch.cuda.is_available() else contextlib.nullcontext():
         model, _ = build_gpt_model(shape)
-        groups = ProcessGroups.from_megatron()
-        run = lambda plan, samples: _measure(plan, samples, model, groups, forward_backward, args.dp)  # noqa: E731
+        pgs = ProcessGroups.from_megatron()
+        run = lambda plan, samples: _measure(plan, samples, model, pgs, forward_backward, args.dp)  # noqa: E731
         # Pass 1: the FLOP cost model; every rank's share is a measurement for the calibration.
         flops = _pass(batches, data, model_cost, args.dp, run, plan_step, StepPlanConfig, shares)
         calibrated = CostModel.calibrate([s[0] for s in shares], [s[1] for s in shares], [s[2] for s in shares])
@@ -118,18 +118,18 @@ def _pass(batches, data, cost_model, dp, run, plan_step, StepPlanConfig, shares)
     return out
 
 
-def _measure(plan, samples, model, groups, forward_backward, dp) -> list[float]:
-    return [_time_share(plan, r, samples, model, groups, forward_backward) for r in range(dp)]
+def _measure(plan, samples, model, pgs, forward_backward, dp) -> list[float]:
+    return [_time_share(plan, r, samples, model, pgs, forward_backward) for r in range(dp)]
 
 
-def _time_share(plan, rank, samples, model, groups, forward_backward) -> float:
+def _time_share(plan, rank, samples, model, pgs, forward_backward) -> float:
     """Seconds for one DP rank's micro-batches, run alone through Megatron's schedule."""
     share = dataclasses.replace(
         plan, config=dataclasses.replace(plan.config, dp_size=1), micro_batches=(plan.micro_batches[rank],)
     )
     model.zero_grad_buffer()
     start = time.perf_counter()
-    forward_backward(model, samples, share, groups, verify=False)
+    forward_backward(model, samples, share, pgs, verify=False)
     return time.perf_counter() - start
 
 

@@ -120,7 +120,7 @@ def plan_only(args, config: dict) -> int:
     return 0
 
 
-def measure_mode(args, model, groups, device, batches, mode: str) -> dict:
+def measure_mode(args, model, pgs, device, batches, mode: str) -> dict:
     """Time every step of one mode; the first step warms up kernels and the allocator."""
     import torch
 
@@ -141,7 +141,7 @@ def measure_mode(args, model, groups, device, batches, mode: str) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        out = forward_backward(model, samples, plan, groups, device=device, verify=False)
+        out = forward_backward(model, samples, plan, pgs, device=device, verify=False)
         if device.type == "cuda":
             torch.cuda.synchronize()
         if step > 0:
@@ -204,10 +204,10 @@ def run_model(args, config: dict) -> int:
                 print("attention backend te: skipped, TransformerEngine is not installed", flush=True)
                 continue
             model, _ = build_gpt_model(model_shape(args), dtype=dtype, attention_backend=backend, device=device)
-            groups = ProcessGroups.from_megatron()
+            pgs = ProcessGroups.from_megatron()
             row = {"attention_backend": backend, "parameters": sum(p.numel() for p in model.parameters())}
             for mode in MODES:
-                row[mode] = measure_mode(args, model, groups, device, batches, mode)
+                row[mode] = measure_mode(args, model, pgs, device, batches, mode)
                 print(f"{backend:<5} {mode:<8} {_line(row[mode])}", flush=True)
             row["packed_over_padded"] = row["packing"]["tokens_per_s"] / row["padded"]["tokens_per_s"]
             row["dynamic_over_padded"] = row["dynamic"]["tokens_per_s"] / row["padded"]["tokens_per_s"]

@@ -122,7 +122,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
                 continue
             model, _ = build_gpt_model(shape, dtype=dtype, attention_backend=backend, device=device)
             n_params = sum(p.numel() for p in model.parameters())
-            groups = ProcessGroups.from_megatron()
+            pgs = ProcessGroups.from_megatron()
             for distribution in args.distributions:
                 batches = global_batches(
                     distribution, args.steps + 1, args.batch_size, args.max_len, args.seed, args.vocab
@@ -141,7 +141,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         start = time.perf_counter()
-                        out = forward_backward(model, samples, plan, groups, device=device, verify=False)
+                        out = forward_backward(model, samples, plan, pgs, device=device, verify=False)
                         if device.type == "cuda":
                             torch.cuda.synchronize()
                         elapsed = time.perf_counter() - start

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Run the test suite in the project's virtual environment (created on first use).
-# Extra arguments go to pytest, e.g. scripts/test.sh -k packing -x
+#   scripts/test.sh                 ruff + every test (what CI runs)
+#   scripts/test.sh --fast          ruff + the fast tier: no multi-rank and no slow tests (under 3 minutes)
+# Other arguments go to pytest, e.g. scripts/test.sh -k packing -x
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"
@@ -8,5 +10,10 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${MCORE_PACKING_VENV:-$root/.venv}"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+tier=()
+if [[ "${1:-}" == "--fast" ]]; then
+  shift
+  tier=(-m "not multirank and not slow")
+fi
 "$venv/bin/ruff" check mcore_packing tests benchmarks
-"$venv/bin/python" -m pytest "$@"
+"$venv/bin/python" -m pytest "${tier[@]}" "$@"
