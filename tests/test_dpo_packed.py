@@ -2,7 +2,7 @@
 
 Pairs share a prompt (masked out of the loss) and carry a group id, so the planner keeps each pair in
 one micro-batch: a packed THD row, or (dynamic batching) a BSHD micro-batch of similar lengths. The loss
-runs on the unpacked per-sequence log-probs (`run_step(group_loss=...)`).
+runs on the unpacked per-sequence log-probs (`forward_backward(loss=PerGroup(...))`).
 Reference: Megatron's stock model, one sequence per forward, DPO in plain torch.
 """
 

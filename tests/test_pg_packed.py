@@ -4,7 +4,7 @@ Rollouts: a prompt (masked out) and a response, a GRPO-style scalar advantage pe
 old, reference and generation log-probs near the model's own (so some ratios fall outside the clip range).
 Reference: Megatron's stock model, one sequence per forward, the loss written out in plain torch
 (`step_workers.pg_reference_loss`, sharing no code with `mcore_packing.losses`), normalized over the whole
-batch. Under test: `run_step(sample_loss=ClippedPGLoss(...))` through Megatron's schedule on gloo ranks,
+batch. Under test: `forward_backward(loss=PerSample(ClippedPGLoss(...)))` through Megatron's schedule on gloo ranks,
 packed (THD) and dynamically batched (BSHD rows of similar length, also under PP=2).
 """
 

@@ -114,6 +114,7 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["sequence_packing.train_mb_tokens=100"], 1, "samples are longer than a micro-batch (100 tokens = "),
         (["parallel.cp=2", "parallel.make_sequence_length_divisible_by=6"], 2, "incompatible with parallel.cp=2"),
         (["parallel.tp=2"], 1, "World size 1 does not factor"),
+        (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=true needs parallel.tp > 1"),
         (["sequence_packing.algorithm=magic"], 1, "sequence_packing: Unknown packing algorithm 'magic'"),
         (["sequence_packing.algorithm=concatenative", "sequence_packing.refine=true"], 1, "not available for"),
         (["resume=true"], 1, "holds no complete checkpoint"),

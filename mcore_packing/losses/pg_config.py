@@ -37,5 +37,5 @@ class ClippedPGConfig:
 
     @property
     def normalization(self) -> str:
-        """The `run_step` normalization that makes the sample values below a global mean."""
+        """The `PerSample` normalization that makes the sample values below a global mean."""
         return "token_mean" if self.token_level_loss else "sequence_mean"

@@ -1,4 +1,4 @@
-"""The clipped policy-gradient loss (PPO, GRPO) per sample, for `run_step(sample_loss=...)`.
+"""The clipped policy-gradient loss (PPO, GRPO) per sample, for `megatron.PerSample`.
 
 Per response token t of sample i, with ratio r = exp(logp - old_logp) and advantage A:
 
@@ -9,8 +9,8 @@ Per response token t of sample i, with ratio r = exp(logp - old_logp) and advant
            sampling correction on (the rollout engine's log-probs differ from the trainer's), else 1
 
 ``token_level_loss=True`` averages over every response token of the global batch (the sample returns its
-token sum; `run_step` divides by the global token count), ``False`` averages per sequence first, then over
-sequences (the sample returns its token mean; `run_step` divides by the global sequence count).
+token sum; `PerSample` divides by the global token count), ``False`` averages per sequence first, then over
+sequences (the sample returns its token mean; `PerSample` divides by the global sequence count).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ KL = torch.Tensor | None  # the per-token KL estimate to the reference, when the
 
 
 class ClippedPGLoss:
-    """``loss(sample_id, logprobs, mask) -> scalar`` for `run_step(sample_loss=loss,
+    """``loss(sample_id, logprobs, mask) -> scalar`` for `PerSample(loss,
     normalization=config.normalization)`.
 
     Per sample ``i`` of the global batch: ``advantages[i]`` (a scalar, GRPO, or one value per next-token
