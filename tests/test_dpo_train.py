@@ -144,3 +144,22 @@ def test_a_dry_run_plans_whole_pairs_and_checks_without_them(tmp_path, pairs_fil
     assert report["data"]["pairs"] == 16
     assert main([*DPO, f"run_dir={tmp_path}", "--dry-run"]) == 0
     assert "dpo.pairs is not set" in capsys.readouterr().out
+
+
+def test_a_line_that_is_not_a_json_object_is_named(tmp_path, capsys):
+    path = tmp_path / "pairs.jsonl"
+    _write(path, make_pairs(4))
+    path.write_text(path.read_text() + '{"prompt": "x", "chosen": \n')
+    code = main([*DPO, f"dpo.pairs={path}", f"run_dir={tmp_path}", "--dry-run"])
+    assert code == 2 and "pairs.jsonl:5 is not valid JSON" in capsys.readouterr().err
+
+    from mcore_packing.data.jsonl import read_jsonl_objects
+    from mcore_packing.losses.rollouts import read_rollouts_jsonl
+
+    path.write_text('{"a": 1}\n\n[1, 2]\n')
+    with pytest.raises(ValueError, match=r"pairs.jsonl:3 is a list, not a JSON object"):
+        read_jsonl_objects(str(path))
+    with pytest.raises(ValueError, match=r"pairs.jsonl:3 is a list"):  # rollouts read through the same reader
+        read_rollouts_jsonl(str(path))
+    path.write_text('{"a": 1}\n\n{"b": 2}\n')
+    assert read_jsonl_objects(str(path)) == [(1, {"a": 1}), (3, {"b": 2})]  # blank lines skipped, numbers kept

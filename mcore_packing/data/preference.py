@@ -20,12 +20,12 @@ sample over ``max_sample_tokens`` are dropped and counted (both responses go, so
 
 from __future__ import annotations
 
-import json
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
 
+from .jsonl import read_jsonl_objects
 from .sample import SequenceSample
 from .sft import UNK_ID, _compact_vocab, _encode_compact, _Encoded
 
@@ -45,18 +45,7 @@ class PreferenceData:
 
 
 def _read(path: str) -> list[tuple[int, dict]]:
-    records = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number} is not JSON ({exc.msg}); one JSON object per line.") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} is a {type(record).__name__}, not a JSON object.")
-            records.append((number, record))
+    records = read_jsonl_objects(path)
     if not records:
         raise ValueError(f"{path} holds no pairs; one JSON object per line with prompt, chosen and rejected.")
     return records

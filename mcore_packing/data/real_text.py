@@ -118,23 +118,13 @@ def read_jsonl_texts(path: str, field: str) -> list[str]:
 
 def read_jsonl_field(path: str, field: str) -> list:
     """The ``field`` of every record of a JSONL file as stored (text, or a list of chat messages)."""
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"JSONL file {path!r} does not exist.")
+    from .jsonl import read_jsonl_objects
+
     texts = []
-    with file.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{line_no} is not valid JSON ({exc.msg}).") from None
-            if field not in record:
-                raise ValueError(
-                    f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set the field name."
-                )
-            texts.append(record[field])
+    for line_no, record in read_jsonl_objects(path):
+        if field not in record:
+            raise ValueError(f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set the field name.")
+        texts.append(record[field])
     if not texts:
         raise ValueError(f"{path} holds no records; the data set is empty.")
     return texts

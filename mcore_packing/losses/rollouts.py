@@ -41,18 +41,14 @@ class Rollout:
 def read_rollouts_jsonl(path: str) -> list[Rollout]:
     """Rollouts from a JSONL file, one object per line with ``prompt_tokens``, ``response_tokens``,
     ``reward``, ``group_id`` and optionally ``generation_logprobs`` (what an inference engine wrote)."""
-    import json
+    from ..data.jsonl import read_jsonl_objects
 
     rollouts = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            missing = [k for k in _FIELDS if k not in record]
-            if missing:
-                raise ValueError(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
-            rollouts.append(Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}))
+    for number, record in read_jsonl_objects(path):
+        missing = [k for k in _FIELDS if k not in record]
+        if missing:
+            raise ValueError(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
+        rollouts.append(Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}))
     return rollouts
 
 

@@ -64,26 +64,27 @@ class StepLoss:
         ]
 
 
+class _WeightedNLL(StepLoss):
+    """The NLL weighted per token on the packed row itself (the weights already hold the divisor)."""
+
+    def micro_batch_sum(self, prep, output, process_groups, totals):
+        return (output.float() * prep.weights).sum()
+
+
 @dataclass(frozen=True)
-class TokenMeanNLL(StepLoss):
+class TokenMeanNLL(_WeightedNLL):
     """The mean next-token NLL over every learned token of the global batch (SFT's default)."""
 
     token_weights = LossNormalization.TOKEN_MEAN
     divisor = "tokens"
 
-    def micro_batch_sum(self, prep, output, process_groups, totals):
-        return (output.float() * prep.weights).sum()
-
 
 @dataclass(frozen=True)
-class SequenceMeanNLL(StepLoss):
+class SequenceMeanNLL(_WeightedNLL):
     """Each sequence's mean NLL over its learned tokens, then the mean over sequences."""
 
     token_weights = LossNormalization.SEQUENCE_MEAN
     divisor = "sequences"
-
-    def micro_batch_sum(self, prep, output, process_groups, totals):
-        return (output.float() * prep.weights).sum()
 
 
 def nll_loss(normalization: LossNormalization | str) -> StepLoss:
