@@ -206,3 +206,16 @@ def test_every_name_the_readme_imports_exists():
     assert layers >= {"packing", "planning", "thd", "megatron", "app"}, statements
     for statement in statements:
         exec(statement, {})
+
+
+def _framework_example_imports(text: str) -> list[str]:
+    block = text.split("**From your own framework**", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if line.startswith("from mcore_packing")]
+
+
+def test_the_framework_example_uses_only_the_library_layers():
+    imports = _framework_example_imports((ROOT / "README.md").read_text())
+    assert {line.split()[1] for line in imports} >= {"mcore_packing.rl", "mcore_packing.megatron"}, imports
+    assert not [line for line in imports if line.split()[1].startswith("mcore_packing.app")], imports
+    control = "**From your own framework**\n```python\nfrom mcore_packing.app.model_setup import setup_training\n```"
+    assert _framework_example_imports(control) == ["from mcore_packing.app.model_setup import setup_training"]

@@ -85,13 +85,11 @@ def padded_vocab_size(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def _mask_padded_vocab(output_layer, vocab_size: int, tp: int) -> None:
+def _mask_padded_vocab(output_layer, vocab_size: int, tp: int, tp_rank: int) -> None:
     """Logits of the padding rows (past the real vocabulary) become the dtype's minimum, so softmax and
     the loss are those of the real vocabulary: zero rows alone would still add exp(0) per row."""
-    from megatron.core import parallel_state as ps
-
     per_rank = padded_vocab_size(vocab_size, tp) // tp
-    first_padded = vocab_size - ps.get_tensor_model_parallel_rank() * per_rank  # local column index
+    first_padded = vocab_size - tp_rank * per_rank  # local column index
     if first_padded >= per_rank:
         return
 
@@ -118,19 +116,23 @@ def build_gpt_model(
     device: torch.device | str | None = None,
     use_distributed_optimizer: bool = False,
     grad_reduce_in_fp32: bool = False,
+    process_groups=None,
 ):
-    """A DDP-wrapped GPTModel chunk for this pipeline stage and its TransformerConfig.
+    """A DDP-wrapped GPTModel chunk for this pipeline stage and its TransformerConfig. GPTModel and DDP get
+    ``process_groups``' collection explicitly (default `ProcessGroups.from_megatron()`).
 
     ``use_distributed_optimizer`` lays the gradient buffer out for Megatron's distributed optimizer
     (optimizer state sharded over DP); ``grad_reduce_in_fp32`` keeps the gradient buffer (and its
     all-reduce) in fp32 when the parameters are bf16.
     """
     require_megatron()
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
 
     from .layer_spec import get_packed_gpt_block_spec
+    from .process_groups import ProcessGroups, group_rank
+
+    pgs = process_groups or ProcessGroups.from_megatron()
 
     tp = layout.tp
     config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype)
@@ -145,11 +147,12 @@ def build_gpt_model(
         rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         share_embeddings_and_output_weights=shape.tie_embeddings,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
+        pre_process=pgs.is_first_stage,
+        post_process=pgs.is_last_stage,
+        pg_collection=pgs.collection,
     )
     if model.post_process and padded_vocab_size(shape.vocab_size, tp) != shape.vocab_size:
-        _mask_padded_vocab(model.output_layer, shape.vocab_size, tp)
+        _mask_padded_vocab(model.output_layer, shape.vocab_size, tp, group_rank(pgs.tp))
     if device is not None:
         model = model.to(device)
     ddp = DistributedDataParallel(
@@ -160,6 +163,7 @@ def build_gpt_model(
             grad_reduce_in_fp32=grad_reduce_in_fp32,
         ),
         model,
+        pg_collection=pgs.collection,
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = ddp.no_sync

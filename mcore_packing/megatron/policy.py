@@ -56,11 +56,11 @@ def build_policy(
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
     weights of ``hf_path`` (this rank's slices), else the seeded initialization; with ``optimizer`` its
     optimizer and schedule, else frozen in eval mode."""
-    from megatron.core import parallel_state as ps
-
     from .hf_weights import load_hf_weights
     from .model import build_gpt_model
+    from .process_groups import group_rank
 
+    process_groups = ProcessGroups.from_megatron()
     model, _ = build_gpt_model(
         shape,
         layout,
@@ -71,13 +71,14 @@ def build_policy(
         device=device,
         use_distributed_optimizer=use_distributed_optimizer and optimizer is not None,
         grad_reduce_in_fp32=grad_reduce_in_fp32 and optimizer is not None,
+        process_groups=process_groups,
     )
     info = {}
     if hf_path is not None:
-        stats = load_hf_weights(model, shape, hf_path, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=layout.tp)
+        stats = load_hf_weights(model, shape, hf_path, tp_rank=group_rank(process_groups.tp), tp_size=layout.tp)
         info["tensors_read"] = stats["tensors_read"]
     built, scheduler = (None, None) if optimizer is None else optimizer(model)
     if optimizer is None:
         model.eval()
-    return Policy(model=model, optimizer=built, scheduler=scheduler, process_groups=ProcessGroups.from_megatron(),
+    return Policy(model=model, optimizer=built, scheduler=scheduler, process_groups=process_groups,
                   device=torch.device(device), info=info)  # fmt: skip

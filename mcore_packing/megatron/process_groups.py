@@ -2,10 +2,10 @@
 sizes the step driver reads derived from its groups, and the check that every rank planned the same step.
 
 `ProcessGroups.from_megatron` is the one reader of Megatron's global ``parallel_state`` on the step path;
-everything below it takes the groups as an argument, and the schedule receives the same collection
-(``pg_collection``). A framework with its own groups passes its own collection
-(`ProcessGroups(collection)`). "Process groups" always means torch.distributed groups here; groups of
-samples (DPO pairs, GRPO responses) are the plan's ``groups``.
+everything below it takes the groups as an argument: the model builder hands the same collection to
+GPTModel and DDP (``pg_collection``), and the schedule receives it too. A framework with its own groups
+passes its own collection (`ProcessGroups(collection)`). "Process groups" always means torch.distributed
+groups here; groups of samples (DPO pairs, GRPO responses) are the plan's ``groups``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ import torch.distributed as dist
 
 from ..planning.step_plan import StepPlan
 
-__all__ = ["STEP_GROUPS", "ProcessGroups", "group_size", "verify_plan_across_ranks"]
+__all__ = ["STEP_GROUPS", "ProcessGroups", "group_rank", "group_size", "verify_plan_across_ranks"]
 
 STEP_GROUPS = ("tp", "pp", "cp", "dp", "dp_cp", "embd", "pos_embd")
-"""The ``ProcessGroupCollection`` fields the step path and Megatron's schedules need."""
+"""The ``ProcessGroupCollection`` fields the step path and Megatron's schedules read (GPTModel and DDP
+read more: the expert groups among them)."""
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,10 @@ class ProcessGroups:
 
     @classmethod
     def from_megatron(cls) -> ProcessGroups:
-        """The groups of Megatron's initialized ``parallel_state``."""
+        """Every group of Megatron's initialized ``parallel_state`` (the model, DDP and the schedule)."""
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        return cls(ProcessGroupCollection.use_mpu_process_groups(list(STEP_GROUPS)))
+        return cls(ProcessGroupCollection.use_mpu_process_groups())
 
     @property
     def dp(self):
