@@ -80,3 +80,28 @@ def test_champ_default_drops_and_counts(tmp_path):
     data = load_sft_data(num_samples=64, max_sample_tokens=512)
     assert data.info["long_samples_dropped"] > 0 and data.info["long_samples_split"] == 0
     assert len(data.samples) == 64 - data.info["long_samples_dropped"] and all(len(s) <= 512 for s in data.samples)
+
+
+def test_preference_pairs_through_the_chat_template_learn_only_the_responses(tmp_path, tokenizer_folder):
+    from mcore_packing.data.preference import load_preference_data
+
+    prompt = CONVERSATION[:2]
+    rows = [
+        {"prompt": prompt, "chosen": "17 * 3 = 51.", "rejected": "17 * 3 = 41."},
+        {"prompt": "What is 2 + 2?", "chosen": " 4", "rejected": " 5"},  # text: prompt tokens, then the response
+    ]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = load_preference_data(str(path), tokenizer_path=str(tokenizer_folder))
+    tok = ChatTokenizer(tokenizer_folder)
+    assert len(data.samples) == 4 and data.vocab_size == tok.vocab_size
+
+    def learned(sample):
+        ids = [int(i) for i, m in zip(sample.tokens, sample.loss_mask, strict=True) if m]
+        return tok.tokenizer.decode(ids, skip_special_tokens=False)
+
+    chosen, rejected, text_chosen, _ = data.samples
+    assert learned(chosen) == "17 * 3 = 51.<|im_end|>\n" and learned(rejected) == "17 * 3 = 41.<|im_end|>\n"
+    # the system and user turns are rendered but not learned; the whole sample is one tokenization
+    assert list(chosen.tokens) == tok.encode(tok.render([*prompt, {"role": "assistant", "content": "17 * 3 = 51."}]))
+    assert learned(text_chosen) == " 4" and list(text_chosen.tokens) == tok.encode("What is 2 + 2?") + tok.encode(" 4")
