@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -261,3 +262,24 @@ def test_fine_tune_a_hugging_face_checkpoint_and_export_it(tmp_path):
         before = transformers.AutoModelForCausalLM.from_pretrained(source).eval()(tokens).logits
         after = transformers.AutoModelForCausalLM.from_pretrained(out).eval()(tokens).logits
     assert (after - before).abs().max() > 1e-3
+
+
+@pytest.mark.slow
+def test_extending_a_finished_run_refuses_or_rebuilds_the_schedule_never_lr_0(tmp_path):
+    """A 2-step run's cosine schedule ends at lr 0; extended to 4 steps on resume it would train at lr 0.
+    Without the key the run is refused before Megatron starts, naming the key; with
+    optimizer.override_opt_param_scheduler=true the schedule is rebuilt over 4 steps from step 3."""
+    first = train(tmp_path, "training.steps=2", "optimizer.lr_warmup_iters=0")
+    assert first.returncode == 0, first.stderr[-3000:]
+    refused = train(tmp_path, "training.steps=4", "optimizer.lr_warmup_iters=0", "resume=true")
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert "optimizer.lr_decay_iters (null: the run's optimizer steps): checkpoint 2, this run 4" in refused.stderr
+    assert "optimizer.override_opt_param_scheduler=true" in refused.stderr
+    rebuilt = train(tmp_path, "training.steps=4", "optimizer.lr_warmup_iters=0", "resume=true",
+                    "optimizer.override_opt_param_scheduler=true")  # fmt: skip
+    assert rebuilt.returncode == 0, rebuilt.stderr[-3000:]
+    assert "the LR schedule is rebuilt for this run" in rebuilt.stdout + rebuilt.stderr
+    lrs = {r["step"]: r["lr"] for r in metrics(tmp_path)}
+    # cosine over 4 steps from 0.01: step k uses the schedule at k - 1 (the old schedule gave step 4 lr 0)
+    assert lrs[3] == pytest.approx(0.01 * (1 + math.cos(math.pi * 2 / 4)) / 2)
+    assert lrs[4] == pytest.approx(0.01 * (1 + math.cos(math.pi * 3 / 4)) / 2) and lrs[4] > 0

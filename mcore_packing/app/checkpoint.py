@@ -44,6 +44,7 @@ __all__ = [
     "find_checkpoint",
     "read_manifest",
     "resume_folder",
+    "schedule_differences",
 ]
 
 MANIFEST = "mcore_packing.json"
@@ -128,6 +129,45 @@ def resume_folder(cfg: TrainConfig) -> Path | None:
             "is none, or point training.checkpoint_dir at the run's checkpoints."
         )
     return found
+
+
+_SCHEDULE_KEYS = {
+    "max_lr": "optimizer.lr",
+    "min_lr": "optimizer.min_lr",
+    "lr_warmup_steps": "optimizer.lr_warmup_iters",
+    "lr_decay_steps": "optimizer.lr_decay_iters (null: the run's optimizer steps)",
+    "lr_decay_style": "optimizer.lr_decay_style",
+    "start_wd": "optimizer.weight_decay",
+}
+
+
+def schedule_differences(saved: dict, cfg: TrainConfig) -> list[str]:
+    """Where the checkpoint's LR schedule (its scheduler's state) differs from this run's, one entry per
+    key, naming the config key; the decay length and ``min_lr`` do not count for a constant schedule."""
+    run = cfg.optimizer.schedule(cfg.optimizer_steps)
+    ignored = {"lr_decay_steps", "min_lr"} if run["lr_decay_style"] == saved["lr_decay_style"] == "constant" else set()
+    return [
+        f"{_SCHEDULE_KEYS[key]}: checkpoint {saved[key]!r}, this run {value!r}"
+        for key, value in run.items()
+        if key not in ignored and saved[key] != value
+    ]
+
+
+def check_schedule(folder: Path, cfg: TrainConfig) -> list[str]:
+    """Before Megatron: a checkpoint whose LR schedule differs from this run's (an extended run,
+    another decay) is refused, unless ``optimizer.override_opt_param_scheduler`` rebuilds the schedule;
+    returns the differences (for the log) when it does."""
+    manifest = read_manifest(folder)
+    differences = schedule_differences(manifest["scheduler"], cfg)
+    if differences and not cfg.optimizer.override_opt_param_scheduler:
+        step = manifest["step"]
+        raise ConfigError(
+            f"cannot resume from {folder}: its LR schedule differs from this run's ({'; '.join(differences)}). "
+            "Continuing the checkpoint's schedule would train an extended run at its end value. Set "
+            f"optimizer.override_opt_param_scheduler=true to rebuild the schedule for this run (continuing at step "
+            f"{step}), or give this run the checkpoint's settings."
+        )
+    return differences
 
 
 def _fsync_dir(path: Path) -> None:
@@ -255,6 +295,9 @@ class Checkpointer:
         self.check_compatible(manifest, folder, setup, sampler)
         same_layout = manifest["layout"] == self.layout
         load_training_state(folder, setup.policy.model, setup.policy.optimizer, restore_rng=same_layout)
-        setup.policy.scheduler.load_state_dict(manifest["scheduler"])
+        scheduler = setup.policy.scheduler
+        # differences were refused in prepare_run unless overriding: then Megatron keeps this run's values
+        scheduler.override_opt_param_scheduler = bool(schedule_differences(manifest["scheduler"], self.cfg))
+        scheduler.load_state_dict(manifest["scheduler"])
         sampler.load_state_dict(manifest["sampler"])
         return int(manifest["step"])

@@ -220,6 +220,9 @@ class OptimizerConfig:
     lr_warmup_iters: int = 2  # steps of linear warmup from lr_warmup_init to lr
     lr_warmup_init: float = 0.0
     lr_decay_iters: int | None = None  # the optimizer step where the decay reaches min_lr; null: the run's last
+    # resume: the checkpoint's LR schedule must equal this run's; true rebuilds it for this run (Megatron's key),
+    # continuing at the checkpoint's step (an extended run decays over its new length instead of sitting at min_lr)
+    override_opt_param_scheduler: bool = False
     initial_loss_scale: float = 4294967296.0  # fp16 only: dynamic loss scaling
     min_loss_scale: float = 1.0
     loss_scale_window: int = 1000
@@ -258,6 +261,13 @@ class OptimizerConfig:
                 f"{self.lr_warmup_iters}: the decay starts after the warmup."
             )
         return max(self.lr_decay_iters, self.lr_warmup_iters + 1)
+
+    def schedule(self, steps: int) -> dict:
+        """This run's LR schedule as Megatron's scheduler records it (``OptimizerParamScheduler.state_dict``
+        keys), for ``steps`` optimizer steps."""
+        return {"max_lr": self.lr, "min_lr": self.min_lr, "lr_warmup_steps": self.lr_warmup_iters,
+                "lr_decay_steps": self.decay_iters(steps), "lr_decay_style": self.lr_decay_style,
+                "start_wd": self.weight_decay}  # fmt: skip
 
 
 @dataclass

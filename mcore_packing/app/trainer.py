@@ -26,14 +26,14 @@ from pathlib import Path
 
 from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
 from .algorithms import RunData, get_algorithm
-from .checkpoint import Checkpointer, data_fingerprint, resume_folder
+from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
 from .model_setup import default_device, device_context, setup_training
 from .stop_request import StopRequest
 
-__all__ = ["RunInputs", "dry_run", "prepare_run", "quiet_megatron_on_cpu", "train"]
+__all__ = ["RunInputs", "describe_schedule", "dry_run", "prepare_run", "quiet_megatron_on_cpu", "train"]
 
 log = logging.getLogger("mcore_packing.train")
 
@@ -66,6 +66,10 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     if cfg.training.export_dir and cfg.model.hf_path is None and cfg.model.family == "gpt":
         raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
     resume = resume_folder(cfg)
+    rebuilt = check_schedule(resume, cfg) if resume else []
+    if rebuilt:
+        log.warning("the LR schedule is rebuilt for this run (optimizer.override_opt_param_scheduler): %s",
+                    "; ".join(rebuilt))  # fmt: skip
     data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
     _warn_ignored_model_keys(cfg, shape)
@@ -163,12 +167,28 @@ def _announce(cfg: TrainConfig, setup, data: RunData, mode: str) -> None:
     if setup.rank == 0:
         Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         log.info("rank %d/%d on %s; data: %s", setup.rank, setup.world_size, setup.policy.device, json.dumps(data.info))
+        log.info("lr schedule: %s", describe_schedule(cfg))
     print(
         f"[rank {setup.rank}/{setup.world_size}] host={os.uname().nodename} dp={pgs.dp_rank}/{pgs.dp_size} "
         f"cp={pgs.cp_rank}/{pgs.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode} "
         f"algorithm={cfg.algorithm}",
         flush=True,
     )
+
+
+def describe_schedule(cfg: TrainConfig) -> str:
+    """The LR schedule in words, saying when step 1 runs at lr 0 (a warmup from lr_warmup_init=0: a run of
+    N steps then applies N-1 updates)."""
+    opt, steps = cfg.optimizer, cfg.optimizer_steps
+    text = f"{opt.lr_decay_style} from lr {opt.lr:g}"
+    if opt.lr_decay_style != "constant":
+        text += f" to {opt.min_lr:g} at optimizer step {opt.decay_iters(steps)}"
+    if opt.lr_warmup_iters:
+        text = f"warmup over {opt.lr_warmup_iters} steps from {opt.lr_warmup_init:g}, then " + text
+        if opt.lr_warmup_init == 0:
+            text += (f" (step 1 runs at lr 0, so {steps} optimizer steps apply {steps - 1} updates; "
+                     "set optimizer.lr_warmup_init > 0 to learn from step 1)")  # fmt: skip
+    return text
 
 
 def dry_run(cfg: TrainConfig) -> dict:
@@ -198,6 +218,7 @@ def dry_run(cfg: TrainConfig) -> dict:
         "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r)
         // inputs.layout.cp,
         "data": inputs.data.info,
+        "lr_schedule": describe_schedule(cfg),
         "first_global_batch": {"samples": len(batch), "tokens": sum(batch), **plan.stats()},
     }
 
