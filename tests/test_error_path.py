@@ -54,3 +54,21 @@ def test_a_config_error_exits_2_and_a_crash_keeps_its_traceback(tmp_path, monkey
 def test_a_recipe_that_does_not_fit_the_cluster_is_a_config_error(capsys):
     assert main(["--recipe", "llama3_70b_sft_long_context", "--num-nodes", "1", "--dry-run"]) == 2
     assert "needs a multiple of" in capsys.readouterr().err
+
+
+def test_export_targets_that_hold_files_are_refused_before_any_work(tmp_path, capsys):
+    from mcore_packing.app.export_command import main as export_main
+    from mcore_packing.app.trainer import prepare_run
+
+    out = tmp_path / "my_model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert export_main(["--checkpoint", str(tmp_path / "nowhere"), "--out", str(out)]) == 2
+    assert "my_model exists and is not empty" in capsys.readouterr().err and (out / "config.json").read_text() == "{}"
+    cfg = compose_config(None, ["model.family=llama", f"training.export_dir={out}", f"run_dir={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"training.export_dir: .*my_model exists and is not empty.*remove it"):
+        prepare_run(cfg, 1, dry_run=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()  # control: an empty folder is a fine target
+    prepare_run(compose_config(None, ["model.family=llama", f"training.export_dir={empty}", f"run_dir={tmp_path}"]),
+                1, dry_run=True)  # fmt: skip

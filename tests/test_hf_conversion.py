@@ -8,6 +8,7 @@ packed THD rows. A converter with gate and up swapped must fail the same compari
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -194,3 +195,40 @@ def test_parameter_count_of_the_shape_equals_the_checkpoints(checkpoints, family
     with safe_open(str(folders[family] / "model.safetensors"), framework="pt") as f:
         stored = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     assert shape_from_hf_config(read_hf_config(folders[family])).num_parameters() == stored
+
+
+@pytest.mark.slow
+def test_export_never_overwrites_or_half_writes_and_states_one_dtype(checkpoints, tmp_path, monkeypatch):
+    """A non-empty folder is refused unless overwrite; a failed write leaves neither the folder nor a partial
+    sibling; config.json's dtype and torch_dtype both name the stored tensors' dtype."""
+    from safetensors import safe_open
+
+    import mcore_packing.megatron.hf_folder as hf_folder
+    from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
+
+    source = checkpoints[0]["llama3"]
+    shape = shape_from_hf_config(read_hf_config(source))
+    with safe_open(str(source / "model.safetensors"), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    target = tmp_path / "user_model"
+    target.mkdir()
+    (target / "config.json").write_text("{}")  # the user's own model lives here
+    with pytest.raises(FileExistsError, match=r"exists and is not empty.*--overwrite"):
+        hf_folder.save_hf_folder(tensors, shape, target, source=source, dtype="bfloat16")
+    assert (target / "config.json").read_text() == "{}"  # untouched
+
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("safetensors.torch.save_file", broken)
+    with pytest.raises(OSError, match="disk full"):
+        hf_folder.save_hf_folder(tensors, shape, tmp_path / "fresh", source=source)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["user_model"]  # nothing half-written left behind
+    monkeypatch.undo()
+
+    hf_folder.save_hf_folder(tensors, shape, target, source=source, dtype="bfloat16", overwrite=True)
+    config = json.loads((target / "config.json").read_text())
+    assert config["dtype"] == config["torch_dtype"] == "bfloat16"
+    with safe_open(str(target / "model.safetensors"), framework="pt") as f:
+        assert {str(f.get_tensor(k).dtype) for k in f.keys()} == {"torch.bfloat16"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["user_model"]  # the replaced folder is gone too

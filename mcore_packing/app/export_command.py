@@ -3,6 +3,11 @@
     python -m mcore_packing export --checkpoint outputs/local/sft/checkpoints --out my-model
     python -m mcore_packing export --checkpoint outputs/local/sft/checkpoints/step_000200 --out my-model --dtype float32
 
+``--dtype`` defaults to the run's training dtype (``model.dtype``); config.json's ``dtype`` and
+``torch_dtype`` both name the dtype of the stored tensors. A non-empty ``--out`` is refused unless
+``--overwrite``; the folder is written next to it and renamed into place, so a failed export leaves
+nothing half-written.
+
 ``--checkpoint`` is a step folder or the checkpoint folder (its newest complete step). One process builds
 the model at TP1/PP1 (torch.distributed with a world of one, gloo), loads the distributed checkpoint into
 it (Megatron joins the TP shards and pipeline stages, whatever layout wrote them), converts the names
@@ -31,9 +36,11 @@ def _step_folder(path: Path) -> Path:
     return found
 
 
-def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "bfloat16") -> Path:
-    """Write the Hugging Face folder of a training checkpoint; returns ``out``. Starts torch.distributed
-    (a world of one) when it is not running; call it from a process without a parallel layout."""
+def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None,
+                      overwrite: bool = False) -> Path:  # fmt: skip
+    """Write the Hugging Face folder of a training checkpoint; returns ``out``. ``dtype`` None: the run's
+    training dtype. Starts torch.distributed (a world of one) when it is not running; call it from a
+    process without a parallel layout."""
     import torch
 
     from ..megatron import build_gpt_model, cpu_device_adapter, initialize_parallel
@@ -41,12 +48,15 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
     from ..megatron.hf_folder import save_hf_folder
     from ..megatron.hf_weights import merge_to_hf
     from ..planning import ModelShape
+    from ..planning.hf_config import check_output_folder
     from .checkpoint import read_manifest
     from .model_setup import init_distributed
 
+    check_output_folder(out, overwrite=overwrite)  # before the model is loaded
     folder = _step_folder(Path(checkpoint))
     manifest = read_manifest(folder)
     shape = ModelShape(**manifest["model_shape"])
+    dtype = dtype or manifest["config"]["model"]["dtype"]
     init_distributed("gloo")
     with cpu_device_adapter(force=True):
         initialize_parallel(seed=0)
@@ -55,7 +65,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str = "
         load_training_state(folder, model, None, restore_rng=False)
     layers = [layer.layer_number - 1 for layer in model.module.decoder.layers]
     hf = merge_to_hf({(0, 0): model.module.state_dict()}, {0: layers}, shape)
-    return save_hf_folder(hf, shape, out, source=manifest["hf_path"], dtype=dtype)
+    return save_hf_folder(hf, shape, out, source=manifest["hf_path"], dtype=dtype, overwrite=overwrite)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -64,11 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--checkpoint", required=True, help="a checkpoint step folder, or the folder with 'latest'")
     parser.add_argument("--out", required=True, help="the Hugging Face folder to write")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
+                        help="the stored tensors' dtype (default: the run's training dtype, model.dtype)")  # fmt: skip
+    parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     args = parser.parse_args(argv)
     try:
-        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype)
-    except (ValueError, FileNotFoundError) as exc:
+        out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, FileExistsError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"wrote {out}")

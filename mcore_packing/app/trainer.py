@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
+from ..planning.hf_config import check_output_folder
 from .algorithms import RunData, get_algorithm
 from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
@@ -65,6 +66,11 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
         )
     if cfg.training.export_dir and cfg.model.hf_path is None and cfg.model.family == "gpt":
         raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
+    if cfg.training.export_dir:
+        try:
+            check_output_folder(cfg.training.export_dir, overwrite=False)
+        except FileExistsError as exc:
+            raise ConfigError(f"training.export_dir: {exc}".replace("pass --overwrite", "remove it")) from None
     resume = resume_folder(cfg)
     rebuilt = check_schedule(resume, cfg) if resume else []
     if rebuilt:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..planning.hf_config import hf_config_from_shape, read_hf_config
+from ..planning.hf_config import check_output_folder, hf_config_from_shape, read_hf_config
 from ..planning.model_shape import ModelShape
 
 __all__ = ["TOKENIZER_FILES", "save_hf_folder"]
@@ -61,15 +61,38 @@ def save_hf_folder(
     source: str | Path | None = None,
     dtype: str = "bfloat16",
     max_shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``tensors`` as a Hugging Face folder for ``shape``; ``source`` (the imported folder) supplies
-    the tokenizer files and the config fields this library does not model (token ids, ...)."""
-    from safetensors.torch import save_file
+    the tokenizer files and the config fields this library does not model (token ids, ...). Written into a
+    temporary sibling folder and renamed into place, so a failed export leaves nothing half-written; a
+    non-empty ``out`` is refused unless ``overwrite``."""
+    import tempfile
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}.")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_output_folder(out, overwrite=overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        _write_folder(tensors, shape, staging, source, dtype, max_shard_bytes)
+        if out.exists():
+            retired = out.with_name(f".{out.name}.replaced-{staging.name.rsplit('-', 1)[-1]}")
+            os.rename(out, retired)
+            os.rename(staging, out)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.rename(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_folder(tensors, shape: ModelShape, out: Path, source, dtype: str, max_shard_bytes: int) -> None:
+    from safetensors.torch import save_file
+
     cast = {k: v.detach().to(_DTYPES[dtype]).contiguous() for k, v in tensors.items()}
     shards = _shards(cast, max_shard_bytes)
     names = (
@@ -91,4 +114,3 @@ def save_hf_folder(
     for name in TOKENIZER_FILES if source is not None else ():
         if (Path(source) / name).is_file():
             shutil.copyfile(Path(source) / name, out / name)
-    return out

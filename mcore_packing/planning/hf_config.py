@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .model_shape import ModelShape
 
-__all__ = ["HF_FAMILIES", "hf_config_from_shape", "read_hf_config", "shape_from_hf_config"]
+__all__ = ["HF_FAMILIES", "check_output_folder", "hf_config_from_shape", "read_hf_config", "shape_from_hf_config"]
 
 
 @dataclass(frozen=True)
@@ -144,10 +144,22 @@ def hf_config_from_shape(shape: ModelShape, *, dtype: str = "bfloat16", extra: d
         rope_scaling=rope if shape.rope_scaling_factor is not None else None,
         hidden_act="silu",
         tie_word_embeddings=shape.tie_embeddings,
-        torch_dtype=dtype,
+        torch_dtype=dtype,  # transformers 4 reads this key, transformers 5 "dtype": one value, the tensors'
+        dtype=dtype,
     )
     if shape.family in ("llama", "qwen3"):
         config["attention_bias"] = shape.qkv_bias
     if shape.family == "mistral":
         config["sliding_window"] = None
     return config
+
+
+def check_output_folder(out: str | Path, *, overwrite: bool) -> None:
+    """Refuse to write into a folder that holds files, unless ``overwrite`` (an export never mixes with, or
+    silently replaces, another model)."""
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise FileExistsError(
+            f"{out} exists and is not empty; an export would replace what is there. Choose a new folder, or pass "
+            "--overwrite to replace it."
+        )
