@@ -72,3 +72,26 @@ def test_export_targets_that_hold_files_are_refused_before_any_work(tmp_path, ca
     empty.mkdir()  # control: an empty folder is a fine target
     prepare_run(compose_config(None, ["model.family=llama", f"training.export_dir={empty}", f"run_dir={tmp_path}"]),
                 1, dry_run=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["training.step=3"], "Did you mean 'training.steps'?"),
+        (["trainin.steps=3"], "Did you mean 'training'?"),
+        (["parallel.tp=two"], "Value 'two' of type 'str' could not be converted to Integer"),
+        (["data=jsonl2"], "Could not find 'data/jsonl2' Available options in 'data': champ jsonl"),
+        (["--num-nodes", "2"], "--num-nodes and --gpus-per-node size a --recipe"),
+    ],
+)
+def test_hydra_and_flag_mistakes_exit_2_with_the_fix(argv, fragment, capsys):
+    """The plain `train` path (Hydra's own main) too: the overrides are composed and checked first."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "To append to your config use" not in err, err
+
+
+def test_the_dry_run_names_the_overrides_it_checked(tmp_path, capsys):
+    assert main(["--dry-run", "training.steps=3", f"run_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert f"dry run OK: the default config with training.steps=3 run_dir={tmp_path} is valid" in out

@@ -53,7 +53,9 @@ def test_overrides_use_hydra_grammar(capsys):
     assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "+bogus.key=1"]) == 2
     assert "Unknown config key 'bogus'" in capsys.readouterr().err
     assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "parallel.tpp=2"]) == 2
-    assert "Cannot apply overrides" in capsys.readouterr().err
+    assert "Unknown config key 'parallel.tpp' in override 'parallel.tpp=2'. Did you mean 'parallel.tp'?" in (
+        capsys.readouterr().err
+    )
     assert main(["--recipe", "nope", "--dry-run"]) == 2
     assert "Available:" in capsys.readouterr().err
     assert main(["--recipe", "tiny_cpu_sft", "--dry-run", "sequence_packing.algorithm=magic"]) == 2

@@ -433,6 +433,29 @@ def register_configs() -> None:
         cs.store(group=group, name="schema", node=cls)
 
 
+def check_override_keys(overrides: list[str]) -> None:
+    """Before Hydra sees them: every ``group.key=value`` override names a key of its group's dataclass (and
+    every ``key=value`` a group or a top-level key), else a `ConfigError` with the closest valid name
+    (Hydra's own message suggests the '+' prefix, which adds a key nothing reads)."""
+    import difflib
+
+    top = {f.name for f in dataclasses.fields(TrainConfig)} | {"hydra"}
+    for override in overrides:
+        key = override.split("=", 1)[0]
+        if "=" not in override or key.startswith(("+", "~", "hydra.", "hydra/")):
+            continue  # '+' keys: check_unknown_keys refuses them after composition
+        group, _, name = key.partition(".")
+        if group not in top:
+            options, wrong = sorted(top - {"hydra"}), group
+        elif name and group in GROUPS and name.split(".")[0] not in {f.name for f in dataclasses.fields(GROUPS[group])}:
+            options, wrong = sorted(f"{group}.{f.name}" for f in dataclasses.fields(GROUPS[group])), key
+        else:
+            continue
+        close = difflib.get_close_matches(wrong, options, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(f"Unknown config key {key!r} in override {override!r}.{hint} Valid keys: {options}.", key=key)
+
+
 def check_unknown_keys(cfg: Any, schema: type = TrainConfig, prefix: str = "") -> None:
     """Raise `ConfigError` for any key of ``cfg`` (a DictConfig or dict) that ``schema`` does not declare."""
     from omegaconf import DictConfig, OmegaConf

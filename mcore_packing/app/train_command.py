@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, TrainConfig, register_configs, to_train_config
+from .config import ConfigError, TrainConfig, check_override_keys, register_configs, to_train_config
 from .recipes import RECIPES
 
 __all__ = ["compose_config", "main"]
@@ -43,6 +43,7 @@ def compose_config(
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
+    check_override_keys(overrides)
     register_configs()
     GlobalHydra.instance().clear()
     if recipe is None:
@@ -60,9 +61,21 @@ def compose_config(
     with context:
         try:
             raw = compose(config_name=name, overrides=overrides)
-        except Exception as exc:  # Hydra's own override errors (bad grammar, unknown key without '+')
-            raise ConfigError(f"Cannot apply overrides {overrides}: {exc}") from None
+        except Exception as exc:  # Hydra's own override errors (bad grammar, a value of the wrong type, ...)
+            raise ConfigError(f"Cannot apply overrides {overrides}: {_hydra_reason(exc)}") from None
     return to_train_config(raw)
+
+
+def _hydra_reason(exc: BaseException) -> str:
+    """Hydra's error with its cause (the value and the type it needed), without its '+' hint."""
+    lines = []
+    while exc is not None and len(lines) < 2:
+        text = str(exc).split("Config search path")[0] if "Available options" in str(exc) else str(exc)
+        first = " ".join(text.split()) if "Available options" in text else (text.splitlines() or [""])[0]
+        if first and "$VALUE" not in first:
+            lines.append(first)
+        exc = exc.__cause__
+    return "; ".join(line for line in lines if not line.startswith("To append"))
 
 
 def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -81,8 +94,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
     quiet_megatron_on_cpu()
+    if args.recipe is None and (args.num_nodes is not None or args.gpus_per_node is not None):
+        print("config error: --num-nodes and --gpus-per-node size a --recipe; without one set "
+              "cluster.num_nodes=N cluster.gpus_per_node=G.", file=sys.stderr)  # fmt: skip
+        return 2
     if args.recipe is None and not args.dry_run:
-        return _hydra_main(overrides)
+        # the overrides are checked by composing once (exit 2 like every config error), then Hydra runs
+        code = exit_2_on_config_error(lambda: compose_config(None, overrides))
+        return code or _hydra_main(overrides)
     return exit_2_on_config_error(lambda: _run(args, overrides))
 
 
@@ -104,6 +123,7 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> None:
     if args.dry_run:
         print(json.dumps(dry_run(cfg), indent=1))
         what = f"recipe {args.recipe}" if args.recipe else "the default config"
+        what += f" with {' '.join(overrides)}" if overrides else ""
         nodes, gpus = cfg.cluster.num_nodes, cfg.cluster.gpus_per_node
         print(f"dry run OK: {what} is valid for {nodes} node(s) x {gpus} GPU(s)")
         return
