@@ -95,3 +95,21 @@ def test_the_dry_run_names_the_overrides_it_checked(tmp_path, capsys):
     assert main(["--dry-run", "training.steps=3", f"run_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert f"dry run OK: the default config with training.steps=3 run_dir={tmp_path} is valid" in out
+
+
+def test_exporting_the_tiny_gpt_run_is_refused_before_loading_naming_why(tmp_path, capsys):
+    import json
+
+    from mcore_packing.app.checkpoint import FORMAT_VERSION, MANIFEST
+    from mcore_packing.app.export_command import main as export_main
+    from mcore_packing.planning import ModelShape
+
+    step = tmp_path / "step_000001"
+    step.mkdir()
+    manifest = {"format_version": FORMAT_VERSION, "files": {}, "model_shape": ModelShape().to_dict(),
+                "config": {"model": {"dtype": "float32"}}, "hf_path": None}  # fmt: skip
+    (step / MANIFEST).write_text(json.dumps(manifest))
+    assert export_main(["--checkpoint", str(step), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "model.family=gpt model" in err and "only runs of a Hugging Face family" in err, err
+    assert not (tmp_path / "out").exists()

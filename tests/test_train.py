@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -116,6 +117,7 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["parallel.cp=2", "parallel.make_sequence_length_divisible_by=6"], 2, "incompatible with parallel.cp=2"),
         (["parallel.tp=2"], 1, "World size 1 does not factor"),
         (["parallel.sequence_parallel=true"], 1, "parallel.sequence_parallel=true needs parallel.tp > 1"),
+        (["parallel.tp=2"], 2, "model.num_query_groups=1 heads cannot be split over parallel.tp=2"),
         (["sequence_packing.algorithm=magic"], 1, "sequence_packing: Unknown packing algorithm 'magic'"),
         (["sequence_packing.algorithm=concatenative", "sequence_packing.refine=true"], 1, "not available for"),
         (["resume=true"], 1, "holds no complete checkpoint"),
@@ -283,3 +285,22 @@ def test_extending_a_finished_run_refuses_or_rebuilds_the_schedule_never_lr_0(tm
     # cosine over 4 steps from 0.01: step k uses the schedule at k - 1 (the old schedule gave step 4 lr 0)
     assert lrs[3] == pytest.approx(0.01 * (1 + math.cos(math.pi * 2 / 4)) / 2)
     assert lrs[4] == pytest.approx(0.01 * (1 + math.cos(math.pi * 3 / 4)) / 2) and lrs[4] > 0
+
+
+@pytest.mark.parametrize(
+    ("messages", "fragment"),
+    [
+        ([{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}], "uses role(s) ['gpt', 'human']"),
+        ([{"role": "user", "content": "2+2?"}], "No token of the data set is learned"),
+    ],
+)
+def test_chat_data_that_would_learn_nothing_is_refused_before_megatron(tmp_path, messages, fragment):
+    from mcore_packing.app.config import ConfigError
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": messages}) + "\n" for _ in range(16)))
+    data = ["data=jsonl", f"data.path={path}", "data.text_field=messages", "training.global_batch_size=8"]
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        prepare_run(compose_config(None, [*SMALL, f"run_dir={tmp_path}", *data]), 1)

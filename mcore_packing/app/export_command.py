@@ -48,7 +48,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str | N
     from ..megatron.hf_folder import save_hf_folder
     from ..megatron.hf_weights import merge_to_hf
     from ..planning import ModelShape
-    from ..planning.hf_config import check_output_folder
+    from ..planning.hf_config import HF_FAMILIES, check_output_folder
     from .checkpoint import read_manifest
     from .model_setup import init_distributed
 
@@ -56,6 +56,12 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str | N
     folder = _step_folder(Path(checkpoint))
     manifest = read_manifest(folder)
     shape = ModelShape(**manifest["model_shape"])
+    if shape.family not in HF_FAMILIES:  # before the model is loaded
+        raise ValueError(
+            f"{folder} holds a model.family={shape.family} model (Megatron's own layout: LayerNorm, biases on every "
+            f"linear), which no Hugging Face architecture matches exactly; only runs of a Hugging Face family "
+            f"({', '.join(sorted(HF_FAMILIES))}: model.hf_path, or a recipe's model) export."
+        )
     dtype = dtype or manifest["config"]["model"]["dtype"]
     init_distributed("gloo")
     with cpu_device_adapter(force=True):

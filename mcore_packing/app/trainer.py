@@ -78,6 +78,10 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
                     "; ".join(rebuilt))  # fmt: skip
     data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
+    try:
+        layout.check_heads(shape.num_attention_heads, shape.kv_heads)
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="parallel.tp") from None
     _warn_ignored_model_keys(cfg, shape)
     lengths = [len(s) for s in data.samples]
     _check_vocab(cfg, data, shape)

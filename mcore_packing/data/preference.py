@@ -27,7 +27,7 @@ import numpy as np
 
 from .jsonl import read_jsonl_objects
 from .sample import SequenceSample
-from .sft import UNK_ID, _compact_vocab, _encode_compact, _Encoded
+from .sft import UNK_ID, _compact_vocab, _encode_compact, _Encoded, check_messages
 
 __all__ = ["PreferenceData", "load_preference_data"]
 
@@ -83,8 +83,9 @@ def _messages(value, key: str, where: str, *, response: bool) -> list[dict]:
         if response and not value.strip():
             raise ValueError(f"{where}: {key} is empty; write the response's text.")
         return [{"role": "assistant" if response else "user", "content": value}]
-    if not isinstance(value, list) or not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in value):
+    if not isinstance(value, list):
         raise ValueError(f"{where}: {key} must be a string or a list of {{'role', 'content'}} messages.")
+    check_messages(value, f"{where}: {key}")
     if response and (not value or value[-1]["role"] != "assistant"):
         raise ValueError(f"{where}: {key} must end with an assistant message (the tokens DPO learns).")
     return value

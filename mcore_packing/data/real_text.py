@@ -113,18 +113,22 @@ def real_corpus_lengths(corpus: str, encoding: str = DEFAULT_ENCODING) -> np.nda
 
 def read_jsonl_texts(path: str, field: str) -> list[str]:
     """The ``field`` of every record of a JSONL file, as text; errors name the file, line and fix."""
-    return [str(value) for value in read_jsonl_field(path, field)]
+    return [str(value) for _, value in read_jsonl_field(path, field, key="--field")]
 
 
-def read_jsonl_field(path: str, field: str) -> list:
-    """The ``field`` of every record of a JSONL file as stored (text, or a list of chat messages)."""
+def read_jsonl_field(path: str, field: str, *, key: str = "the field name") -> list[tuple[int, object]]:
+    """``(line, value)`` of ``field`` in every record of a JSONL file as stored (text, or a list of chat
+    messages); ``key`` is the setting that names the field (for the error)."""
     from .jsonl import read_jsonl_objects
 
     texts = []
     for line_no, record in read_jsonl_objects(path):
         if field not in record:
-            raise ValueError(f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set the field name.")
-        texts.append(record[field])
+            raise ValueError(
+                f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set {key} to the field that "
+                "holds the text (chat data: the list of messages, e.g. messages)."
+            )
+        texts.append((line_no, record[field]))
     if not texts:
         raise ValueError(f"{path} holds no records; the data set is empty.")
     return texts

@@ -32,10 +32,12 @@ import numpy as np
 from .real_text import champ_conversations, get_tokenizer, read_jsonl_field
 from .sample import SequenceSample
 
-__all__ = ["LONG_SAMPLE_POLICIES", "SftData", "load_sft_data"]
+__all__ = ["LONG_SAMPLE_POLICIES", "ROLES", "SftData", "check_messages", "load_sft_data"]
 
 UNK_ID = 0
 LONG_SAMPLE_POLICIES = ("drop", "truncate", "split", "error")
+ROLES = ("system", "user", "assistant", "tool")
+"""The chat roles a conversation may use (the ones chat templates render); others are refused by name."""
 
 
 @dataclass(frozen=True)
@@ -66,11 +68,23 @@ def _records(source: str, path: str | None, text_field: str) -> list:
         return [[{"role": _role(r), "content": t} for r, t in turns] for turns in champ_conversations()]
     if source != "jsonl":
         raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
-    records = read_jsonl_field(path, text_field)
-    for i, record in enumerate(records):
-        if isinstance(record, list) and not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in record):
-            raise ValueError(f"{path}: record {i} is a list but not of {{'role', 'content'}} messages.")
-    return [r if isinstance(r, list) else str(r) for r in records]
+    records = read_jsonl_field(path, text_field, key="data.text_field")
+    for line, record in records:
+        if isinstance(record, list):
+            check_messages(record, f"{path}:{line}")
+    return [r if isinstance(r, list) else str(r) for _, r in records]
+
+
+def check_messages(messages, where: str) -> None:
+    """A conversation is a list of ``{"role", "content"}`` messages with roles from `ROLES`."""
+    if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
+        raise ValueError(f"{where} is a list but not of {{'role', 'content'}} messages.")
+    unknown = sorted({m["role"] for m in messages} - set(ROLES))
+    if unknown:
+        raise ValueError(
+            f"{where} uses role(s) {unknown}; chat templates know {list(ROLES)} and only assistant turns are "
+            "learned. Rename them (ShareGPT's human -> user, gpt -> assistant)."
+        )
 
 
 def _encode_compact(record, encode, learn_prompt: bool) -> _Encoded:
@@ -171,6 +185,11 @@ def load_sft_data(
         for ids, mask in pieces:
             ids = ids if remap is None else [remap.get(t, UNK_ID) for t in ids]
             samples.append(SequenceSample(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)))
+    if samples and not any(np.any(s.loss_mask[1:]) for s in samples):
+        raise ValueError(
+            "No token of the data set is learned: conversations need an assistant turn (only those are learned), "
+            "or set data.learn_prompt=true to learn every turn."
+        )
     if not samples:
         raise ValueError(
             f"No samples are left: {outcomes['dropped']} of {len(encoded)} records are longer than "

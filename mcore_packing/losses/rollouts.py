@@ -9,6 +9,7 @@ of the wrong length, a group of one under GRPO), naming the rollout and the fix.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,10 +73,23 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
                              "needs a context to be predicted from.")  # fmt: skip
         if not isinstance(r.reward, (int, float)) or math.isnan(r.reward) or math.isinf(r.reward):
             raise ValueError(f"rollout {i} (group {r.group_id!r}) has reward {r.reward!r}: rewards must be finite.")
+        for key in ("prompt_tokens", "response_tokens"):
+            bad = [t for t in getattr(r, key) if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+            if bad:
+                raise ValueError(f"rollout {i} (group {r.group_id!r}): {key} holds {bad[:3]}; token ids are "
+                                 "integers >= 0.")  # fmt: skip
         if r.generation_logprobs is not None and len(r.generation_logprobs) != len(r.response_tokens):
             raise ValueError(
                 f"rollout {i} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
                 "response tokens: give one per response token (or none)."
+            )
+        if r.generation_logprobs is not None and not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in r.generation_logprobs
+        ):
+            worst = max((v for v in r.generation_logprobs if isinstance(v, (int, float))), default=None)
+            raise ValueError(
+                f"rollout {i} (group {r.group_id!r}): generation_logprobs must be numbers <= 0 (log of a "
+                f"probability); the largest is {worst!r}. Pass log-probs, not probabilities."
             )
     if grpo:
         single = [g for g, idx in group_members([r.group_id for r in rollouts]).items() if len(idx) == 1]

@@ -47,11 +47,7 @@ def transformer_config(
     if shape.gated_mlp:
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     tp = layout.tp
-    if shape.kv_heads % tp:
-        raise ValueError(
-            f"model.num_query_groups={shape.kv_heads} key/value heads cannot be split over TP={tp}: every tensor-"
-            "parallel rank holds whole query groups. Use a TP size that divides the key/value heads."
-        )
+    layout.check_heads(shape.num_attention_heads, shape.kv_heads)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,

@@ -75,6 +75,17 @@ class ParallelLayout:
         TP ranks), else 1."""
         return self.cp * self.tp if self.sequence_parallel else 1
 
+    def check_heads(self, num_attention_heads: int, num_query_groups: int) -> None:
+        """Every tensor-parallel rank holds whole query heads and whole key/value groups; context
+        parallelism puts no condition on heads (keys and values are all-gathered over CP)."""
+        named = (("model.num_attention_heads", num_attention_heads), ("model.num_query_groups", num_query_groups))
+        for key, heads in named:
+            if heads % self.tp:
+                raise ValueError(
+                    f"{key}={heads} heads cannot be split over parallel.tp={self.tp}: every tensor-parallel rank "
+                    f"holds whole heads. Use a TP size that divides {heads}."
+                )
+
     def to_dict(self) -> dict:
         return asdict(self)
 
