@@ -113,3 +113,31 @@ def test_exporting_the_tiny_gpt_run_is_refused_before_loading_naming_why(tmp_pat
     err = capsys.readouterr().err
     assert "model.family=gpt model" in err and "only runs of a Hugging Face family" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_truncated_or_corrupt_checkpoint_is_named_before_megatron(tmp_path, capsys):
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from mcore_packing.planning.hf_config import check_safetensors
+
+    from .hf_models import make_chat_model
+
+    folder = make_chat_model(tmp_path / "hf")
+    weights = folder / "model.safetensors"
+    tensors = check_safetensors(folder)
+    assert tensors > 10  # control: the intact folder passes
+    intact = weights.read_bytes()
+    weights.write_bytes(intact[: len(intact) // 2])  # an interrupted download
+    assert main(["--dry-run", f"model.hf_path={folder}", f"run_dir={tmp_path}"]) == 2
+    assert "model.safetensors is truncated" in capsys.readouterr().err
+    weights.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + intact[100:])
+    with pytest.raises(ValueError, match="header is not JSON"):
+        check_safetensors(folder)
+    save_file({"a": torch.zeros(2)}, str(folder / "model-00001-of-00002.safetensors"))
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=r"names \['model-00002-of-00002.safetensors'\].*incomplete"):
+        check_safetensors(folder)

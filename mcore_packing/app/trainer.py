@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
-from ..planning.hf_config import check_output_folder
+from ..planning.hf_config import check_output_folder, check_safetensors
 from .algorithms import RunData, get_algorithm
 from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
 from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
@@ -82,6 +82,11 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
         layout.check_heads(shape.num_attention_heads, shape.kv_heads)
     except ValueError as exc:
         raise ConfigError(str(exc), key="parallel.tp") from None
+    if cfg.model.hf_path is not None:
+        try:
+            check_safetensors(cfg.model.hf_path)
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"model.hf_path: {exc}", key="model.hf_path") from None
     _warn_ignored_model_keys(cfg, shape)
     lengths = [len(s) for s in data.samples]
     _check_vocab(cfg, data, shape)

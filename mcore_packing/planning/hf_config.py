@@ -18,7 +18,14 @@ from pathlib import Path
 
 from .model_shape import ModelShape
 
-__all__ = ["HF_FAMILIES", "check_output_folder", "hf_config_from_shape", "read_hf_config", "shape_from_hf_config"]
+__all__ = [
+    "HF_FAMILIES",
+    "check_output_folder",
+    "check_safetensors",
+    "hf_config_from_shape",
+    "read_hf_config",
+    "shape_from_hf_config",
+]
 
 
 @dataclass(frozen=True)
@@ -163,3 +170,46 @@ def check_output_folder(out: str | Path, *, overwrite: bool) -> None:
             f"{out} exists and is not empty; an export would replace what is there. Choose a new folder, or pass "
             "--overwrite to replace it."
         )
+
+
+def check_safetensors(folder: str | Path) -> int:
+    """Read the header of every ``*.safetensors`` file of an HF folder (and its index, when there is one)
+    without loading a tensor: the header must be JSON, every tensor's bytes inside the file, the file no
+    shorter than its tensors, and every file the index names present. Returns the number of tensors; a
+    `ValueError` names the file and what is wrong (a truncated or partial download, most often)."""
+    import struct
+
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise ValueError(f"{index} is not a safetensors index ({exc}); re-download it.") from None
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(f"{index} names {missing[:3]} but they are not in {folder}; the download is incomplete.")
+        files = [folder / n for n in names]
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    tensors = 0
+    for file in files:
+        size = file.stat().st_size
+        with file.open("rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+            if length < 2 or 8 + length > size:
+                raise ValueError(f"{file} is not a safetensors file ({size} bytes; its header length does not fit); "
+                                 "re-download it.")  # fmt: skip
+            try:
+                header = json.loads(f.read(length))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise ValueError(f"{file}: the safetensors header is not JSON ({exc}); re-download the file.") from None
+        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+        if 8 + length + max(ends, default=0) > size:
+            raise ValueError(
+                f"{file} is truncated: its header places {8 + length + max(ends)} bytes of tensors, the file has "
+                f"{size}; re-download it."
+            )
+        tensors += len(ends)
+    return tensors
