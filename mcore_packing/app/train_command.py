@@ -94,15 +94,17 @@ def main(argv: list[str] | None = None) -> int:
 
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
     quiet_megatron_on_cpu()
-    if args.recipe is None and (args.num_nodes is not None or args.gpus_per_node is not None):
-        print("config error: --num-nodes and --gpus-per-node size a --recipe; without one set "
-              "cluster.num_nodes=N cluster.gpus_per_node=G.", file=sys.stderr)  # fmt: skip
-        return 2
     if args.recipe is None and not args.dry_run:
         # the overrides are checked by composing once (exit 2 like every config error), then Hydra runs
-        code = exit_2_on_config_error(lambda: compose_config(None, overrides))
+        code = exit_2_on_config_error(lambda: (_check_flags(args), compose_config(None, overrides)))
         return code or _hydra_main(overrides)
-    return exit_2_on_config_error(lambda: _run(args, overrides))
+    return exit_2_on_config_error(lambda: (_check_flags(args), _run(args, overrides)))
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.recipe is None and (args.num_nodes is not None or args.gpus_per_node is not None):
+        raise ConfigError("--num-nodes and --gpus-per-node size a --recipe; without one set cluster.num_nodes=N "
+                          "cluster.gpus_per_node=G.")  # fmt: skip
 
 
 def exit_2_on_config_error(run) -> int:
