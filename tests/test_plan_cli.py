@@ -157,3 +157,19 @@ def test_model_shape_from_a_recipe_changes_the_cost(capsys):
     assert code == 2 and "Available:" in err
     code, _, err = run(capsys, *args, "--heads", "4")  # the default shape has 8 key/value heads
     assert code == 2 and "not a multiple of num_query_groups=8" in err
+
+
+def test_no_figure_unless_asked_and_heads_must_split_over_tp(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    lengths = tmp_path / "lengths.json"
+    lengths.write_text("[100, 3000, 20, 4000, 700, 650, 90, 10]")
+    code, _, _ = run(capsys, "--lengths", str(lengths), "--global-batch-size", "4", "--no-recommend")
+    assert code == 0 and list(tmp_path.glob("*.png")) == []  # nothing written unasked
+    code, _, err = run(capsys, "--lengths", str(lengths), "--tp", "3", "--heads", "4", "--kv-heads", "2")
+    assert code == 2 and "--heads=4 heads cannot be split over --tp=3" in err, err
+    code, _, _ = run(capsys, "--lengths", str(lengths), "--tp", "2", "--heads", "4", "--kv-heads", "2",
+                     "--global-batch-size", "4", "--no-recommend")  # fmt: skip
+    assert code == 0  # control: heads that split
+    from mcore_packing.app.plan_command import build_parser
+
+    assert "mcore_packing.app.recipes: llama32_1b_sft_single_gpu" in " ".join(build_parser().format_help().split())

@@ -135,9 +135,12 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     ranks = np.arange(config.layout.dp)
     tokens = np.asarray(summary["_rank_tokens"])
     cost = np.asarray(summary["_rank_cost"])
+    relative = np.concatenate([tokens / tokens.mean(), cost / cost.mean()])
     ax.bar(ranks - 0.2, tokens / tokens.mean(), width=0.4, label="tokens")
     ax.bar(ranks + 0.2, cost / cost.mean(), width=0.4, label="attention-aware cost")
     ax.axhline(1.0, color="k", lw=0.8)
+    spread = max(float(np.abs(relative - 1).max()), 0.005)  # zoom on 1.0: a 1% imbalance stays visible
+    ax.set_ylim(1 - 1.5 * spread, 1 + 1.5 * spread)
     ax.set(title="load per data-parallel rank / mean (all steps)", xlabel="DP rank", ylabel="relative load")
     ax.legend()
     ax = axes[1, 1]
@@ -194,7 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="cost",
         help="how micro-batches go to DP ranks (default: attention-aware cost)",
     )
-    p.add_argument("--recipe", help="take the model shape from a recipe (see mcore_packing.recipes)")
+    recipes = ", ".join(sorted(RECIPES))
+    p.add_argument("--recipe", help=f"take the model shape from a recipe of mcore_packing.app.recipes: {recipes}")
     for name, key in (
         ("layers", "num_layers"),
         ("hidden", "hidden_size"),
@@ -204,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("vocab", "vocab_size"),
     ):
         p.add_argument(f"--{name}", dest=key, type=int, default=None)
-    p.add_argument("--png", default="plan.png", help="write the figure here (default: plan.png)")
-    p.add_argument("--no-png", action="store_true")
+    p.add_argument("--png", default=None, help="write the figure to this PNG file (none unless given)")
+    p.add_argument("--no-png", action="store_true", help="write no figure even with --png (scripts)")
     p.add_argument("--no-recommend", action="store_true", help="skip the budget recommendation")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of text")
     return p
@@ -249,7 +253,7 @@ def _read_lengths(args) -> tuple[str, np.ndarray]:
     return source, lengths
 
 
-def _config_from_args(args, model: CostModel) -> StepPlanConfig:
+def _config_from_args(args, model: CostModel, model_shape: ModelShape) -> StepPlanConfig:
     for name in ("mb_tokens", "dp", "tp", "pp", "cp", "micro_batch_size"):
         if getattr(args, name) < 1:
             raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
@@ -261,25 +265,31 @@ def _config_from_args(args, model: CostModel) -> StepPlanConfig:
         )
     try:
         resolve_algorithm(args.algorithm)
+        layout = ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp)
+        layout.check_heads(model_shape.num_attention_heads, model_shape.kv_heads)
         return StepPlanConfig(
             mode=args.mode,
             train_mb_tokens=args.mb_tokens,
             algorithm=args.algorithm,
             refine=_REFINE[args.refine],
-            layout=ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp),
+            layout=layout,
             padded_rows=args.micro_batch_size,
             balance=args.balance,
             microbatch_order=args.order,
             cost_model=model,
         )
     except ValueError as exc:
-        raise PlanInputError(str(exc)) from None
+        flags = {"model.num_attention_heads": "--heads", "model.num_query_groups": "--kv-heads", "parallel.tp": "--tp"}
+        message = str(exc)
+        for key, flag in flags.items():
+            message = message.replace(key, flag)
+        raise PlanInputError(message) from None
 
 
 def _run(args: argparse.Namespace) -> int:
     shape = _shape_from_args(args)
     model = CostModel.from_shape(shape)
-    config = _config_from_args(args, model)
+    config = _config_from_args(args, model, shape)
     source, lengths = _read_lengths(args)
     try:
         if args.mode != "padded":
@@ -294,7 +304,7 @@ def _run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
-    if not args.no_png:
+    if args.png and not args.no_png:
         write_png(args.png, lengths, summary, config, source)
     doc = _document(args, source, lengths, config, shape, summary)
     if args.json:
@@ -341,7 +351,7 @@ def _document(args, source, lengths, config: StepPlanConfig, shape: ModelShape, 
         "summary": {k: v for k, v in summary.items() if not k.startswith("_")},
         "whole_dataset_packing": whole,
         "budget": recommend_budget(lengths, config, args.global_batch_size, config.cost_model) if recommend else None,
-        "png": None if args.no_png else args.png,
+        "png": args.png if args.png and not args.no_png else None,
     }
 
 
