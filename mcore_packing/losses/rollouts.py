@@ -24,6 +24,7 @@ __all__ = [
     "grpo_advantages",
     "minibatches",
     "read_rollouts_jsonl",
+    "read_rollouts_jsonl_located",
     "rollout_samples",
 ]
 
@@ -42,15 +43,21 @@ class Rollout:
 def read_rollouts_jsonl(path: str) -> list[Rollout]:
     """Rollouts from a JSONL file, one object per line with ``prompt_tokens``, ``response_tokens``,
     ``reward``, ``group_id`` and optionally ``generation_logprobs`` (what an inference engine wrote)."""
+    return read_rollouts_jsonl_located(path)[0]
+
+
+def read_rollouts_jsonl_located(path: str) -> tuple[list[Rollout], list[str]]:
+    """`read_rollouts_jsonl` and each rollout's ``file:line`` (for `check_rollouts`' ``names``)."""
     from ..data.jsonl import read_jsonl_objects
 
-    rollouts = []
+    rollouts, names = [], []
     for number, record in read_jsonl_objects(path):
         missing = [k for k in _FIELDS if k not in record]
         if missing:
             raise ValueError(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
         rollouts.append(Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}))
-    return rollouts
+        names.append(f"{path}:{number}")
+    return rollouts, names
 
 
 def group_members(group_ids: Sequence) -> dict:
@@ -61,26 +68,30 @@ def group_members(group_ids: Sequence) -> dict:
     return members
 
 
-def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
-    """Clear errors for rollouts a step cannot use."""
+def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True, names: Sequence[str] | None = None) -> None:
+    """Clear errors for rollouts a step cannot use; ``names[i]`` locates rollout ``i`` in the messages
+    (``file:line`` from `read_rollouts_jsonl_located`), else "rollout i"."""
     if not rollouts:
         raise ValueError("no rollouts: the policy step needs at least one sampled response.")
     for i, r in enumerate(rollouts):
+        where = names[i] if names is not None else f"rollout {i}"
         if len(r.response_tokens) == 0:
-            raise ValueError(f"rollout {i} (group {r.group_id!r}) has an empty response: drop it before the step.")
+            raise ValueError(f"{where} (group {r.group_id!r}) has an empty response: drop it before the step.")
         if len(r.prompt_tokens) == 0:
-            raise ValueError(f"rollout {i} (group {r.group_id!r}) has an empty prompt: the first response token "
+            raise ValueError(f"{where} (group {r.group_id!r}) has an empty prompt: the first response token "
                              "needs a context to be predicted from.")  # fmt: skip
-        if not isinstance(r.reward, (int, float)) or math.isnan(r.reward) or math.isinf(r.reward):
-            raise ValueError(f"rollout {i} (group {r.group_id!r}) has reward {r.reward!r}: rewards must be finite.")
+        if isinstance(r.reward, bool) or not isinstance(r.reward, (int, float)):
+            raise ValueError(f"{where} (group {r.group_id!r}) has reward {r.reward!r}: a reward is a number.")
+        if math.isnan(r.reward) or math.isinf(r.reward):
+            raise ValueError(f"{where} (group {r.group_id!r}) has reward {r.reward!r}: rewards must be finite.")
         for key in ("prompt_tokens", "response_tokens"):
             bad = [t for t in getattr(r, key) if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
             if bad:
-                raise ValueError(f"rollout {i} (group {r.group_id!r}): {key} holds {bad[:3]}; token ids are "
+                raise ValueError(f"{where} (group {r.group_id!r}): {key} holds {bad[:3]}; token ids are "
                                  "integers >= 0.")  # fmt: skip
         if r.generation_logprobs is not None and len(r.generation_logprobs) != len(r.response_tokens):
             raise ValueError(
-                f"rollout {i} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
+                f"{where} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
                 "response tokens: give one per response token (or none)."
             )
         if r.generation_logprobs is not None and not all(
@@ -88,7 +99,7 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True) -> None:
         ):
             worst = max((v for v in r.generation_logprobs if isinstance(v, (int, float))), default=None)
             raise ValueError(
-                f"rollout {i} (group {r.group_id!r}): generation_logprobs must be numbers <= 0 (log of a "
+                f"{where} (group {r.group_id!r}): generation_logprobs must be numbers <= 0 (log of a "
                 f"probability); the largest is {worst!r}. Pass log-probs, not probabilities."
             )
     if grpo:

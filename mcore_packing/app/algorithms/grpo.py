@@ -7,7 +7,7 @@ in file order). Generation is the user's inference engine's job; this file is wh
 
 from __future__ import annotations
 
-from ...losses.rollouts import check_rollouts, group_members, read_rollouts_jsonl, rollout_samples
+from ...losses.rollouts import check_rollouts, group_members, read_rollouts_jsonl_located, rollout_samples
 from ..config import ConfigError
 from . import RunData
 
@@ -37,8 +37,8 @@ def load_data(cfg) -> RunData:
             "your inference engine."
         )
     try:
-        rollouts = read_rollouts_jsonl(grpo.rollouts)
-        check_rollouts(rollouts, grpo=True)
+        rollouts, names = read_rollouts_jsonl_located(grpo.rollouts)
+        check_rollouts(rollouts, grpo=True, names=names)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"grpo.rollouts: {exc}") from None
     members = group_members([r.group_id for r in rollouts])
