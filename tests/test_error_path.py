@@ -141,3 +141,10 @@ def test_a_truncated_or_corrupt_checkpoint_is_named_before_megatron(tmp_path, ca
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=r"names \['model-00002-of-00002.safetensors'\].*incomplete"):
         check_safetensors(folder)
+
+
+def test_only_rank_0_prints_a_config_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "1")
+    assert main(["training.step=3"]) == 2 and capsys.readouterr().err == ""  # the same exit code, quietly
+    monkeypatch.setenv("RANK", "0")  # control
+    assert main(["training.step=3"]) == 2 and "Did you mean 'training.steps'?" in capsys.readouterr().err

@@ -108,12 +108,14 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def exit_2_on_config_error(run) -> int:
-    """The one place a command turns a `ConfigError` into its message on stderr and exit code 2; anything
+    """The one place a command turns a `ConfigError` into its message on stderr and exit code 2 (printed
+    by rank 0 only: under torchrun every rank finds the same mistake, and the others exit quietly); anything
     else raised by ``run`` is a crash and propagates with its traceback."""
     try:
         run()
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {exc}", file=sys.stderr)
         return 2
     return 0
 
