@@ -69,7 +69,7 @@ def prepare_micro_batch(
     prepare = _prepare_thd if plan.config.mode == "packing" else _prepare_bshd
     weigh = totals is not None and normalization is not None
     prep = prepare(mb, chosen, plan, process_groups, totals if weigh else None, normalization, device, pad_token_id)
-    return replace(prep, group_ids=tuple(plan.groups)) if plan.groups is not None else prep
+    return replace(prep, group_ids=plan.groups) if plan.groups is not None else prep  # the plan's own tuple
 
 
 def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id) -> PreparedMicroBatch:

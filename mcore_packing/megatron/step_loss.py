@@ -102,8 +102,9 @@ class PerSequence(StepLoss):
     divisor = "sequences"
 
     def micro_batch_sum(self, prep, output, process_groups, totals):
+        fn = self.fn
         return _share_of_sum(
-            prep, output, lambda _, lp, mask: self.fn(lp, mask), process_groups, totals.num_sequences, "sequence"
+            prep, output, lambda _, lp, mask: fn(lp, mask), process_groups, self.global_count(totals), "sequence"
         )
 
 
@@ -147,7 +148,7 @@ class PerGroup(StepLoss):
         total = output.new_zeros((), dtype=torch.float32)
         for items in members.values():
             total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
-        return total / (totals.num_groups * process_groups.cp_size)
+        return total / (self.global_count(totals) * process_groups.cp_size)
 
 
 def _check_scalar(value, unit: str) -> torch.Tensor:
