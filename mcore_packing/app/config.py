@@ -411,12 +411,21 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
         raise ConfigError(str(exc)) from None
 
 
+_MODE_SECTIONS = {"packing": "sequence_packing", "dynamic": "dynamic_batching"}
+
+
+def budget_key(plan: StepPlanConfig, *, forward_only: bool = False) -> str | None:
+    """The config key of the budget that applies (``sequence_packing.logprob_mb_tokens``, ...); None in
+    padded mode, which has no section."""
+    section = _MODE_SECTIONS.get(plan.mode)
+    return f"{section}.{plan.budget(forward_only)[0]}" if section else None
+
+
 def check_data_fits(cfg: TrainConfig, plan: StepPlanConfig, lengths) -> None:
     """The budget must hold the longest (padded) sample of the data set: say so before training starts."""
-    key, fix = {
-        "packing": ("sequence_packing.train_mb_tokens", "lower data.max_sample_tokens"),
-        "dynamic": ("dynamic_batching.train_mb_tokens", "lower data.max_sample_tokens"),
-    }.get(plan.mode, ("data.max_sample_tokens", "drop them"))  # padded rows: SFT samples are cut to it, rollouts not
+    key = budget_key(plan)
+    # padded rows: SFT samples are cut to data.max_sample_tokens, rollouts not
+    key, fix = (key, "lower data.max_sample_tokens") if key else ("data.max_sample_tokens", "drop them")
     try:
         plan.check_fits(lengths, key=key, fix=fix)
     except ValueError as exc:

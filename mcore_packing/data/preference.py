@@ -29,7 +29,7 @@ from .jsonl import read_jsonl_objects
 from .sample import SequenceSample
 from .sft import UNK_ID, _compact_vocab, _encode_compact, _Encoded, check_messages
 
-__all__ = ["PreferenceData", "load_preference_data"]
+__all__ = ["PreferenceData", "load_preference_data", "pair_ids"]
 
 _TEXT_KEYS = ("prompt", "chosen", "rejected")
 _TOKEN_KEYS = ("prompt_tokens", "chosen_tokens", "rejected_tokens")
@@ -42,6 +42,14 @@ class PreferenceData:
     samples: list[SequenceSample]
     vocab_size: int
     info: dict
+
+
+def pair_ids(num_samples: int) -> list[int]:
+    """The pair of every sample in pair order (``[0, 0, 1, 1, ...]``: sample ``2i`` is pair ``i``'s chosen
+    response, ``2i + 1`` its rejected one)."""
+    if num_samples % 2:
+        raise ValueError(f"DPO samples come in (chosen, rejected) pairs; got {num_samples} samples (an odd count).")
+    return [i // 2 for i in range(num_samples)]
 
 
 def _read(path: str) -> list[tuple[int, dict]]:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..data.preference import pair_ids
 from ..data.sample import SequenceSample
 from ..losses.dpo import METRIC_KEYS, DPOLoss, response_logprob
 from ..megatron import PerGroup, Policy, StepOutcome, compute_logprobs, train_step
@@ -39,13 +40,6 @@ class DPOStepResult:
     train_seconds: float
     plan: StepPlan
     outcome: StepOutcome
-
-
-def pair_ids(num_samples: int) -> list[int]:
-    """The pair of every sample in pair order (``[0, 0, 1, 1, ...]``)."""
-    if num_samples % 2:
-        raise ValueError(f"DPO samples come in (chosen, rejected) pairs; got {num_samples} samples (an odd count).")
-    return [i // 2 for i in range(num_samples)]
 
 
 def dpo_step(policy: Policy, reference: Policy, samples: Sequence[SequenceSample], plan_config: StepPlanConfig, *,

@@ -23,7 +23,7 @@ from importlib import import_module
 
 from ...data.sample import SequenceSample
 
-__all__ = ["ALGORITHMS", "RunData", "get_algorithm"]
+__all__ = ["ALGORITHMS", "RunData", "get_algorithm", "step_metrics"]
 
 ALGORITHMS = ("sft", "grpo", "dpo")
 
@@ -33,6 +33,14 @@ def get_algorithm(name: str):
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}.")
     return import_module(f".{name}", __name__)
+
+
+def step_metrics(metrics: dict, **pass_seconds: float) -> dict:
+    """An RL step's metrics for `MetricsLogger.log_step`'s ``extra``: without the gradient norm and the
+    update flag (the `StepOutcome` logs those), with the seconds of each pass."""
+    extra = {k: v for k, v in metrics.items() if k not in ("grad_norm", "update_applied")}
+    extra.update(pass_seconds)
+    return extra
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,10 @@ template, else ``data.encoding`` mapped to ``data.vocab_size``); pairs with a re
 
 from __future__ import annotations
 
-from ...data.preference import load_preference_data
-from ..config import ConfigError
-from . import RunData
+from ...data.preference import load_preference_data, pair_ids
+from ...losses.rollouts import group_members
+from ..config import ConfigError, budget_key
+from . import RunData, step_metrics
 
 
 def check_config(cfg) -> None:
@@ -46,16 +47,15 @@ def load_data(cfg) -> RunData:
         )
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"dpo.pairs: {exc}") from None
-    units = [[2 * i, 2 * i + 1] for i in range(len(data.samples) // 2)]
+    units = list(group_members(pair_ids(len(data.samples))).values())  # [[0, 1], [2, 3], ...]
     return RunData(samples=data.samples, vocab_size=data.vocab_size, info=data.info, units=units)
 
 
 def check_data(cfg, data: RunData, step_config) -> None:
     """Every pair fits one micro-batch of the training pass."""
-    section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
-    pairs = [i // 2 for i in range(len(data.samples))]
+    pairs = pair_ids(len(data.samples))
     try:
-        step_config.check_groups_fit([len(s) for s in data.samples], pairs, key=f"{section}.train_mb_tokens")
+        step_config.check_groups_fit([len(s) for s in data.samples], pairs, key=budget_key(step_config))
     except ValueError as exc:
         raise ConfigError(f"dpo.pairs: {exc} (a pair shares one micro-batch)") from None
 
@@ -78,8 +78,8 @@ def make_step(cfg, inputs, setup):
     def take_step(batch_ids: list[int]):
         samples = [inputs.data.samples[i] for i in batch_ids]
         result = dpo_step(setup.policy, reference, samples, inputs.step_config, dpo=cfg.dpo)
-        extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
-        extra.update(reference_pass_s=result.reference_seconds, train_pass_s=result.train_seconds)
+        seconds = {"reference_pass_s": result.reference_seconds, "train_pass_s": result.train_seconds}
+        extra = step_metrics(result.metrics, **seconds)
         return result.plan, result.outcome, extra
 
     return take_step

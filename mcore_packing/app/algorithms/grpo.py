@@ -8,8 +8,8 @@ in file order). Generation is the user's inference engine's job; this file is wh
 from __future__ import annotations
 
 from ...losses.rollouts import check_rollouts, group_members, read_rollouts_jsonl_located, rollout_samples
-from ..config import ConfigError
-from . import RunData
+from ..config import ConfigError, budget_key
+from . import RunData, step_metrics
 
 
 def check_config(cfg) -> None:
@@ -74,9 +74,8 @@ def check_data(cfg, data: RunData, step_config) -> None:
             f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
             "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
         )
-    section = "sequence_packing" if step_config.mode == "packing" else "dynamic_batching"
-    key = f"{section}.{step_config.budget(forward_only=True)[0]}"
     lengths = [len(s) for s in data.samples]
+    key = budget_key(step_config, forward_only=True)
     try:
         step_config.check_groups_fit(lengths, [r.group_id for r in data.records], forward_only=True, key=key)
     except ValueError as exc:
@@ -106,8 +105,7 @@ def make_step(cfg, inputs, setup):
         rollouts = [inputs.data.records[i] for i in batch_ids]
         result = rl_step(setup.policy, rollouts, inputs.step_config, loss=cfg.loss_fn, grpo=cfg.grpo,
                          reference=reference)  # fmt: skip
-        extra = {k: v for k, v in result.metrics.items() if k not in ("grad_norm", "update_applied")}
-        extra.update(logprob_pass_s=result.logprob_seconds, train_pass_s=result.train_seconds)
+        extra = step_metrics(result.metrics, logprob_pass_s=result.logprob_seconds, train_pass_s=result.train_seconds)
         return result.plan, result.outcome, extra
 
     return take_step
