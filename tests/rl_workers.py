@@ -88,20 +88,21 @@ def dpo_unpacked_worker(rank: int, world_size: int, *, root: str, overrides: lis
     with device_context(default_device()):
         setup = setup_training(cfg, inputs.shape)
         model = setup.policy.model
-        reference = _response_logprobs(model, samples, range(len(samples)), cfg.dpo.preference_average_log_probs)
+        reference = _response_logprobs(model, samples, range(len(samples)))
         take_step = get_algorithm("dpo").make_step(cfg, inputs, setup)
         for _ in range(steps):
             ids = inputs.data.sample_ids(sampler.next_batch())
-            expected = _unpacked_dpo(model, samples, ids, reference, cfg.dpo, swap=False)
-            swapped = _unpacked_dpo(model, samples, ids, reference, cfg.dpo, swap=True)
+            policy = _response_logprobs(model, samples, ids)  # the policy as it is before this step
+            expected = _unpacked_dpo(policy, ids, reference, cfg.dpo, swap=False)
+            swapped = _unpacked_dpo(policy, ids, reference, cfg.dpo, swap=True)
             _, outcome, extra = take_step(ids)
             results.append({"reported": outcome.result.loss, "expected": expected, "swapped": swapped,
                             "accuracy": extra["accuracy"]})  # fmt: skip
     return results
 
 
-def _response_logprobs(model, samples, ids, average: bool, *, sft: bool = False) -> dict:
-    """``{sample id: log-prob of its learned tokens}`` (sum or token mean), one forward per sequence."""
+def _response_logprobs(model, samples, ids) -> dict:
+    """``{sample id: (summed log-prob of its learned tokens, their count)}``, one forward per sequence."""
     import torch
     import torch.nn.functional as F
 
@@ -113,22 +114,26 @@ def _response_logprobs(model, samples, ids, average: bool, *, sft: bool = False)
             logits = model(tokens[None], torch.arange(n)[None], None)[0].float()
             logprobs = -F.cross_entropy(logits[:-1], tokens[1:], reduction="none")
             mask = torch.as_tensor(samples[i].loss_mask[1:], dtype=torch.float32)
-            total = (logprobs * mask).sum()
-            out[i] = float(total / mask.sum() if average else total)
+            out[i] = (float((logprobs * mask).sum()), float(mask.sum()))
     return out
 
 
-def _unpacked_dpo(model, samples, ids, reference: dict, dpo, *, swap: bool) -> float:
-    """Mean over the batch's pairs of the DPO loss (preference term + SFT term on the chosen response)."""
+def _unpacked_dpo(logprobs: dict, ids, reference: dict, dpo, *, swap: bool) -> float:
+    """Mean over the batch's pairs of the DPO loss (preference term + SFT term on the chosen response)
+    from `_response_logprobs` of the policy and of the reference."""
     import math
 
-    policy = _response_logprobs(model, samples, ids, dpo.preference_average_log_probs)
-    sft = _response_logprobs(model, samples, ids, dpo.sft_average_log_probs)
+    def reduced(values: dict, average: bool) -> dict:
+        return {i: total / count if average else total for i, (total, count) in values.items()}
+
+    average = dpo.preference_average_log_probs
+    policy, ref = reduced(logprobs, average), reduced(reference, average)
+    sft = reduced(logprobs, dpo.sft_average_log_probs)
     losses = []
     for chosen, rejected in zip(ids[0::2], ids[1::2], strict=True):
         if swap:
             chosen, rejected = rejected, chosen
-        margin = (policy[chosen] - reference[chosen]) - (policy[rejected] - reference[rejected])
+        margin = (policy[chosen] - ref[chosen]) - (policy[rejected] - ref[rejected])
         z = dpo.reference_policy_kl_penalty * margin
         preference = math.log1p(math.exp(-z)) if z > -30 else -z  # -log sigmoid(z)
         losses.append(dpo.preference_loss_weight * preference - dpo.sft_loss_weight * sft[chosen])
