@@ -1,30 +1,81 @@
-"""The one JSONL reader: every non-blank line of a file as a JSON object, with its line number, or an
-error naming ``file:line`` (SFT data, GRPO rollouts and DPO pairs all read through it)."""
+"""The one JSONL reader and its error style: every non-blank line of a file as a JSON object with its line
+number, and `BadLines`, which gathers the problems of many lines into one error (SFT data, GRPO rollouts
+and DPO pairs all read and check through them).
+
+Every message names ``file:line`` (1-based), the field, the value and the fix; a file with several bad
+lines reports up to `BadLines.SHOWN` of them at once, so a user fixes them in one pass.
+"""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
-__all__ = ["read_jsonl_objects"]
+__all__ = ["BadLines", "read_jsonl_objects"]
+
+T = TypeVar("T")
+
+
+class BadLines:
+    """Gathers `ValueError` messages of single lines (records) and raises them as one `ValueError`.
+
+    ``check(fn, *args)`` returns ``fn(*args)``, or None after recording its `ValueError`; ``raise_any()``
+    raises nothing, the one message, or ``"<N> <what> are bad"`` and the first `SHOWN` messages."""
+
+    SHOWN = 10
+
+    def __init__(self, what: str = "lines"):
+        self.what = what
+        self.messages: list[str] = []
+
+    def add(self, message: str) -> None:
+        self.messages.append(message)
+
+    def check(self, fn: Callable[..., T], *args, **kwargs) -> T | None:
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as exc:
+            self.add(str(exc))
+            return None
+
+    def raise_any(self) -> None:
+        if not self.messages:
+            return
+        if len(self.messages) == 1:
+            raise ValueError(self.messages[0])
+        shown = self.messages[: self.SHOWN]
+        more = len(self.messages) - len(shown)
+        head = f"{len(self.messages)} {self.what} are bad" + (f" (the first {len(shown)} shown)" if more else "")
+        raise ValueError(head + ":\n  " + "\n  ".join(shown) + (f"\n  ... and {more} more" if more else ""))
 
 
 def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
-    """``[(line number, object), ...]`` of ``path``; a missing file is a `FileNotFoundError`, a line that is
-    not a JSON object a `ValueError` naming ``file:line``. Blank lines are skipped; the list may be empty."""
+    """``[(line number, object), ...]`` of ``path``; a missing file is a `FileNotFoundError`, lines that are
+    not JSON objects one `ValueError` naming each ``file:line`` (`BadLines`). Blank lines are skipped; the
+    list may be empty."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"JSONL file {path!r} does not exist.")
-    records = []
-    with file.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    records, bad = [], BadLines()
+    with file.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                bad.add(f"{path}:{number} is not UTF-8 text (byte {exc.start} of the line); save the file as UTF-8.")
+                continue
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                record = json.loads(line.rstrip("\r\n"))
             except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number} is not valid JSON ({exc.msg}).") from None
+                bad.add(f"{path}:{number} is not valid JSON ({exc.msg} at column {exc.colno}).")
+                continue
             if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number} is a {type(record).__name__}, not a JSON object; one per line.")
+                bad.add(f"{path}:{number} is a {type(record).__name__}, not a JSON object; one per line.")
+                continue
             records.append((number, record))
+    bad.raise_any()
     return records

@@ -13,7 +13,7 @@ template (``tokenizer_path``: `hf_tokenizer.ChatTokenizer`) or, without one, the
 response's. Only the response's tokens are learned (loss mask 1): a chat response's assistant turns, a
 text response's every token. Sample ``2i`` is pair ``i``'s chosen response, ``2i + 1`` its rejected one.
 
-Refused, naming ``file:line`` and the fix: a line that is not a JSON object, missing keys, an empty or
+Refused, naming ``file:line`` and the fix (up to ten bad lines at once, `jsonl.BadLines`): a line that is not a JSON object, missing keys, an empty or
 non-assistant response, chosen equal to rejected, token ids that are not integers >= 0. Pairs with a
 sample over ``max_sample_tokens`` are dropped and counted (both responses go, so no pair is broken).
 """
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .jsonl import read_jsonl_objects
+from .jsonl import BadLines, read_jsonl_objects
 from .sample import SequenceSample
 from .sft import UNK_ID, _compact_vocab, _encode_compact, _Encoded, check_messages
 
@@ -149,8 +149,9 @@ def load_preference_data(
         from .hf_tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer(tokenizer_path)
-    records = _read(path)
-    forms = [_check_keys(r, _where(path, n)) for n, r in records]  # True: token ids
+    records, bad = _read(path), BadLines("pairs")
+    forms = [bad.check(_check_keys, r, _where(path, n)) for n, r in records]  # True: token ids
+    bad.raise_any()
     token_records = all(forms)
     if any(forms) and not token_records:
         first = records[forms.index(not forms[0])][0]
@@ -162,7 +163,8 @@ def load_preference_data(
 
         quick = get_tokenizer(encoding)
         encode = quick.encode_ordinary if hasattr(quick, "encode_ordinary") else quick.encode
-    pairs = [_encode_record(r, _where(path, n), encode, tokenizer) for n, r in records]
+    pairs = [bad.check(_encode_record, r, _where(path, n), encode, tokenizer) for n, r in records]
+    bad.raise_any()
     kept = [p for p in pairs if max(len(p[0].ids), len(p[1].ids)) <= max_sample_tokens]
     if not kept:
         raise ValueError(

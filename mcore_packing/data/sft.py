@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .jsonl import BadLines
 from .real_text import champ_conversations, get_tokenizer, read_jsonl_field
 from .sample import SequenceSample
 
@@ -68,11 +69,15 @@ def _records(source: str, path: str | None, text_field: str) -> list:
         return [[{"role": _role(r), "content": t} for r, t in turns] for turns in champ_conversations()]
     if source != "jsonl":
         raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
-    records = read_jsonl_field(path, text_field, key="data.text_field")
+    records, bad = read_jsonl_field(path, text_field, key="data.text_field"), BadLines()
     for line, record in records:
         if isinstance(record, list):
-            check_messages(record, f"{path}:{line}")
-    return [r if isinstance(r, list) else str(r) for _, r in records]
+            bad.check(check_messages, record, f"{path}:{line}")
+        elif not isinstance(record, str):
+            bad.add(f"{path}:{line}: {text_field} is {str(record)[:60]} ({type(record).__name__}); it must be the "
+                    "text (a string) or a list of {'role', 'content'} messages.")  # fmt: skip
+    bad.raise_any()
+    return [r for _, r in records]
 
 
 def check_messages(messages, where: str) -> None:

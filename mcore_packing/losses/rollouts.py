@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..data.jsonl import BadLines
 from ..data.sample import SequenceSample
 
 __all__ = [
@@ -50,13 +51,15 @@ def read_rollouts_jsonl_located(path: str) -> tuple[list[Rollout], list[str]]:
     """`read_rollouts_jsonl` and each rollout's ``file:line`` (for `check_rollouts`' ``names``)."""
     from ..data.jsonl import read_jsonl_objects
 
-    rollouts, names = [], []
+    rollouts, names, bad = [], [], BadLines()
     for number, record in read_jsonl_objects(path):
         missing = [k for k in _FIELDS if k not in record]
         if missing:
-            raise ValueError(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
+            bad.add(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
+            continue
         rollouts.append(Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}))
         names.append(f"{path}:{number}")
+    bad.raise_any()
     return rollouts, names
 
 
@@ -73,35 +76,10 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True, names: Seq
     (``file:line`` from `read_rollouts_jsonl_located`), else "rollout i"."""
     if not rollouts:
         raise ValueError("no rollouts: the policy step needs at least one sampled response.")
+    bad = BadLines("rollouts")
     for i, r in enumerate(rollouts):
-        where = names[i] if names is not None else f"rollout {i}"
-        if len(r.response_tokens) == 0:
-            raise ValueError(f"{where} (group {r.group_id!r}) has an empty response: drop it before the step.")
-        if len(r.prompt_tokens) == 0:
-            raise ValueError(f"{where} (group {r.group_id!r}) has an empty prompt: the first response token "
-                             "needs a context to be predicted from.")  # fmt: skip
-        if isinstance(r.reward, bool) or not isinstance(r.reward, (int, float)):
-            raise ValueError(f"{where} (group {r.group_id!r}) has reward {r.reward!r}: a reward is a number.")
-        if math.isnan(r.reward) or math.isinf(r.reward):
-            raise ValueError(f"{where} (group {r.group_id!r}) has reward {r.reward!r}: rewards must be finite.")
-        for key in ("prompt_tokens", "response_tokens"):
-            bad = [t for t in getattr(r, key) if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
-            if bad:
-                raise ValueError(f"{where} (group {r.group_id!r}): {key} holds {bad[:3]}; token ids are "
-                                 "integers >= 0.")  # fmt: skip
-        if r.generation_logprobs is not None and len(r.generation_logprobs) != len(r.response_tokens):
-            raise ValueError(
-                f"{where} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
-                "response tokens: give one per response token (or none)."
-            )
-        if r.generation_logprobs is not None and not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in r.generation_logprobs
-        ):
-            worst = max((v for v in r.generation_logprobs if isinstance(v, (int, float))), default=None)
-            raise ValueError(
-                f"{where} (group {r.group_id!r}): generation_logprobs must be numbers <= 0 (log of a "
-                f"probability); the largest is {worst!r}. Pass log-probs, not probabilities."
-            )
+        bad.check(_check_one, r, names[i] if names is not None else f"rollout {i}")
+    bad.raise_any()
     if grpo:
         single = [g for g, idx in group_members([r.group_id for r in rollouts]).items() if len(idx) == 1]
         if single:
@@ -109,6 +87,42 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True, names: Seq
                 f"GRPO needs several responses per prompt; group(s) {single[:5]} have one. Sample more responses "
                 "per prompt, or drop those groups."
             )
+
+
+def _check_one(r: Rollout, where: str) -> None:
+    """One rollout's problems (the first found), located by ``where``."""
+    for key in ("prompt_tokens", "response_tokens", "generation_logprobs"):
+        value = getattr(r, key)
+        if not (isinstance(value, Sequence) and not isinstance(value, str)) and (value is not None or key[0] != "g"):
+            raise ValueError(f"{where} (group {r.group_id!r}): {key} is {str(value)[:60]}; it must be a list "
+                             f"of {'numbers' if key[0] == 'g' else 'token ids'}.")  # fmt: skip
+    if len(r.response_tokens) == 0:
+        raise ValueError(f"{where} (group {r.group_id!r}) has an empty response: drop it before the step.")
+    if len(r.prompt_tokens) == 0:
+        raise ValueError(f"{where} (group {r.group_id!r}) has an empty prompt: the first response token "
+                         "needs a context to be predicted from.")  # fmt: skip
+    if isinstance(r.reward, bool) or not isinstance(r.reward, (int, float)):
+        raise ValueError(f"{where} (group {r.group_id!r}) has reward {r.reward!r}: a reward is a number.")
+    if math.isnan(r.reward) or math.isinf(r.reward):
+        raise ValueError(f"{where} (group {r.group_id!r}) has reward {r.reward!r}: rewards must be finite.")
+    for key in ("prompt_tokens", "response_tokens"):
+        bad = [t for t in getattr(r, key) if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+        if bad:
+            raise ValueError(f"{where} (group {r.group_id!r}): {key} holds {bad[:3]}; token ids are "
+                             "integers >= 0.")  # fmt: skip
+    if r.generation_logprobs is not None and len(r.generation_logprobs) != len(r.response_tokens):
+        raise ValueError(
+            f"{where} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
+            "response tokens: give one per response token (or none)."
+        )
+    if r.generation_logprobs is not None and not all(
+        isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in r.generation_logprobs
+    ):
+        worst = max((v for v in r.generation_logprobs if isinstance(v, (int, float))), default=None)
+        raise ValueError(
+            f"{where} (group {r.group_id!r}): generation_logprobs must be numbers <= 0 (log of a "
+            f"probability); the largest is {worst!r}. Pass log-probs, not probabilities."
+        )
 
 
 def grpo_advantages(rewards: Sequence[float], group_ids: Sequence, *, leave_one_out: bool = False,
