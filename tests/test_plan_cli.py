@@ -1,4 +1,6 @@
-"""The planning CLI: real output on a real corpus, JSON that adds up, the PNG, and exit code 2 on bad input."""
+"""The planning CLI: real output on a real corpus, JSON that adds up, the PNG, exit code 2 on bad input, and
+the run's own config and data (one source of defaults with `train`, the checkpoint's tokenizer, the
+trainer's global batches)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ def run(capsys, *argv):
 
 def test_default_run_on_real_corpus_writes_a_png(tmp_path, capsys):
     png = tmp_path / "plan.png"
-    code, out, _ = run(capsys, "--dp", "4", "--png", str(png), "--no-recommend")
+    code, out, _ = run(capsys, "--corpus", "champ", "--mb-tokens", "16384", "--dp", "4", "--png", str(png),
+                       "--no-recommend")  # fmt: skip
     assert code == 0
     assert "real:champ" in out and "19,440 sequences" in out
     assert "slowest DP rank / mean" in out and "predicted compute saved" in out
@@ -75,9 +78,8 @@ def test_refine_flag_reaches_the_plan(tmp_path, capsys, args, refine):
 
 
 def test_dynamic_mode_and_budget_recommendation(capsys):
-    code, out, _ = run(
-        capsys, "--mode", "dynamic", "--mb-tokens", "12000", "--json", "--no-png", "--global-batch-size", "256"
-    )
+    code, out, _ = run(capsys, "--mode", "dynamic", "--mb-tokens", "12000", "--json", "--global-batch-size", "256",
+                       "--steps", "4")  # fmt: skip
     assert code == 0
     doc = json.loads(out)
     assert doc["config"]["mode"] == "dynamic"
@@ -92,12 +94,13 @@ def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
     texts = ["hello world", "packing sequences saves compute " * 20, "x"]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"body": t}) for t in texts) + "\n")
-    code, out, _ = run(
-        capsys, "--jsonl", str(path), "--field", "body", "--mb-tokens", "512", "--json", "--no-png", "--no-recommend"
-    )
+    args = ["--jsonl", str(path), "--field", "body", "--mb-tokens", "512", "--json", "--no-recommend"]
+    code, out, _ = run(capsys, *args, "--global-batch-size", "3", "--steps", "1")
     assert code == 0
     enc = get_tokenizer("qwen3")
     assert json.loads(out)["num_tokens"] == sum(len(enc.encode(t)) for t in texts)
+    code, _, err = run(capsys, *args)  # the default batch of 32 samples from a file of 3
+    assert code == 2 and "training.global_batch_size=32 is larger than the data set (3 samples)" in err
 
 
 @pytest.mark.parametrize(
@@ -111,18 +114,24 @@ def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
             "[10, 5000, 6000]",
             ".json",
             ["--mb-tokens", "4096"],
-            "2 of 3 samples are longer than a micro-batch (4096 tokens = --mb-tokens 4096",
+            "2 of 3 samples are longer than a micro-batch (4096 tokens = --mb-tokens 4096 x cp 1)",
         ),
-        ("[10, 20]", ".json", ["--mb-tokens", "0"], "--mb-tokens must be >= 1"),
+        ("[10, 20]", ".json", ["--mb-tokens", "0"], "--mb-tokens must be an integer >= 1, got 0"),
         ("[10, 20]", ".json", ["--algorithm", "magic"], "Valid names"),
         ("[10, 20]", ".json", ["--algorithm", "concatenative", "--refine", "on"], "not available for 'concatenative'"),
         ("[10, 20]", ".json", ["--dp", "4", "--global-batch-size", "2"], "smaller than --dp 4"),
+        ("[10, 20]", ".json", ["--tp", "3"], "pass --dp N to plan N data-parallel ranks"),
+        ("[10, 20]", ".json", ["parallel.tpp=2"], "Did you mean 'parallel.tp'?"),
+        ("[10, 20]", ".json", ["--mode", "padded", "--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
 def test_bad_inputs_exit_2_with_message(tmp_path, capsys, content, suffix, args, fragment):
     path = tmp_path / f"lengths{suffix}"
     path.write_text(content)
-    code, _, err = run(capsys, "--lengths", str(path), "--no-png", *args)
+    try:
+        code, _, err = run(capsys, "--lengths", str(path), "--no-png", *args)
+    except SystemExit as exc:  # argparse's own errors
+        code, err = exc.code, capsys.readouterr().err
     assert code == 2, err
     assert fragment in err
 
@@ -131,7 +140,7 @@ def test_missing_files_and_fields_exit_2(tmp_path, capsys):
     code, _, err = run(capsys, "--lengths", str(tmp_path / "nope.npy"))
     assert code == 2 and "does not exist" in err
     code, _, err = run(capsys, "--jsonl", str(tmp_path / "nope.jsonl"))
-    assert code == 2 and "does not exist" in err
+    assert code == 2 and "does not exist" in err and "Traceback" not in err
     path = tmp_path / "d.jsonl"
     path.write_text('{"text": "a"}\n{"other": "b"}\n')
     code, _, err = run(capsys, "--jsonl", str(path), "--no-png")
@@ -143,20 +152,20 @@ def test_missing_files_and_fields_exit_2(tmp_path, capsys):
 
 
 def test_model_shape_from_a_recipe_changes_the_cost(capsys):
-    args = ["--json", "--no-png", "--no-recommend", "--global-batch-size", "256", "--dp", "4"]
+    args = ["--corpus", "champ", "--json", "--no-recommend", "--global-batch-size", "256", "--dp", "4"]
     code, out, _ = run(capsys, *args, "--recipe", "qwen2_7b_grpo_cp")
     assert code == 0
     doc = json.loads(out)
     assert doc["config"]["model_shape"]["num_layers"] == 28 and doc["config"]["model_shape"]["vocab_size"] == 152064
-    code, out, _ = run(
-        capsys, *args, "--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--vocab", "1000"
-    )
+    assert (doc["config"]["tp"], doc["config"]["cp"], doc["config"]["train_mb_tokens"]) == (4, 2, 8192)  # the recipe's
+    small_shape = ["--layers", "2", "--hidden", "256", "--heads", "4", "--kv-heads", "2", "--vocab", "1000"]
+    code, out, _ = run(capsys, *args, "--mb-tokens", "16384", *small_shape)
     small = json.loads(out)
     assert small["summary"]["attention_share_of_real_work"] > doc["summary"]["attention_share_of_real_work"]
     code, _, err = run(capsys, "--recipe", "nope", "--no-png")
     assert code == 2 and "Available:" in err
-    code, _, err = run(capsys, *args, "--heads", "4")  # the default shape has 8 key/value heads
-    assert code == 2 and "not a multiple of num_query_groups=8" in err
+    code, _, err = run(capsys, *args, "--recipe", "llama3_8b_sft_packed", "--heads", "4")  # 8 key/value heads
+    assert code == 2 and "--heads=4 is not a multiple of num_query_groups=8" in err
 
 
 def test_no_figure_unless_asked_and_heads_must_split_over_tp(tmp_path, capsys, monkeypatch):
@@ -165,9 +174,9 @@ def test_no_figure_unless_asked_and_heads_must_split_over_tp(tmp_path, capsys, m
     lengths.write_text("[100, 3000, 20, 4000, 700, 650, 90, 10]")
     code, _, _ = run(capsys, "--lengths", str(lengths), "--global-batch-size", "4", "--no-recommend")
     assert code == 0 and list(tmp_path.glob("*.png")) == []  # nothing written unasked
-    code, _, err = run(capsys, "--lengths", str(lengths), "--tp", "3", "--heads", "4", "--kv-heads", "2")
+    code, _, err = run(capsys, "--lengths", str(lengths), "--tp", "3", "--dp", "1", "--heads", "4", "--kv-heads", "2")
     assert code == 2 and "--heads=4 heads cannot be split over --tp=3" in err, err
-    code, _, _ = run(capsys, "--lengths", str(lengths), "--tp", "2", "--heads", "4", "--kv-heads", "2",
+    code, _, _ = run(capsys, "--lengths", str(lengths), "--tp", "2", "--dp", "1", "--heads", "4", "--kv-heads", "2",
                      "--global-batch-size", "4", "--no-recommend")  # fmt: skip
     assert code == 0  # control: heads that split
     from mcore_packing.app.plan_command import build_parser

@@ -172,18 +172,41 @@ def test_a_config_error_exits_2_from_the_command_line(tmp_path):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "parallel",
-    [[], ["parallel.cp=2"], ["model.dtype=bfloat16", "optimizer.use_distributed_optimizer=true"]],
-    ids=["dp2", "cp2", "bf16-distributed-optimizer"],
+    [
+        [],
+        ["parallel.cp=2"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "model.num_query_groups=2"],
+        ["model.dtype=bfloat16", "optimizer.use_distributed_optimizer=true"],
+    ],
+    ids=["dp2", "cp2", "tp2-sp", "bf16-distributed-optimizer"],
 )
 def test_torchrun_two_ranks(tmp_path, parallel):
     proc = train(tmp_path / "run", "training.steps=3", *parallel, torchrun=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Warning" not in proc.stderr, proc.stderr[-3000:]  # torch's and Megatron's known noise is filtered
     assert "[rank 0/2]" in proc.stdout and "[rank 1/2]" in proc.stdout
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2, 3]  # one writer: rank 0
     assert rows[-1]["loss"] < rows[0]["loss"]
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
+
+
+def test_the_warning_filter_keeps_ours_and_unknown_ones():
+    import warnings
+
+    from mcore_packing.app.trainer import quiet_megatron_on_cpu
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_megatron_on_cpu(cpu=True)
+        warnings.warn("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.", stacklevel=1)
+        warnings.warn("`torch.distributed.reduce_scatter_tensor` is deprecated.", FutureWarning, stacklevel=1)
+        warnings.warn("set CUDA_DEVICE_MAX_CONNECTIONS to 1", stacklevel=1)
+        warnings.warn("model.num_layers=5 is ignored: config.json says 2.", stacklevel=1)
+        warnings.warn("something new from torch", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in caught] == ["model.num_layers=5 is ignored: config.json says 2.",
+                                                "something new from torch"]  # fmt: skip
 
 
 @pytest.mark.slow

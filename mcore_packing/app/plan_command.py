@@ -1,8 +1,15 @@
 """``python -m mcore_packing plan``: what packing will do to your data, before you train.
 
-Reads sequence lengths (a built-in real corpus, a file of lengths, or a JSONL file tokenized with a
-bundled vocabulary), cuts them into global batches in data order, plans every batch exactly as training
-would (`mcore_packing.planning.report`: packing, dynamic or padded; DP/TP/PP/CP/SP), and reports:
+It plans the run you would train: the config is the training config (the Hydra defaults or ``--recipe``,
+with the same Hydra overrides as ``train``), and by default the data is the run's data, loaded, checked and
+tokenized exactly as the trainer does (`trainer.prepare_run`: the checkpoint's tokenizer and chat template
+with ``model.hf_path``, the long-sample policy, every check of ``train --dry-run``), drawn in the run's
+global batches (the seeded sampler, ``training.steps`` of them) and planned as the training pass plans
+them (DPO keeps pairs together, GRPO plans each minibatch). ``--lengths`` or ``--corpus`` plan other
+lengths with the run's settings instead, in consecutive global batches. Every flag below is a shorthand
+for a config key (``--tp`` is ``parallel.tp``, ``--mb-tokens`` the active budget, ``--hf-path``
+``model.hf_path``, ``--jsonl`` a JSONL data file) and defaults to the config's value: one source of
+defaults for ``plan`` and ``train``. It reports (`mcore_packing.planning.report`):
 
 - packing efficiency, bins and the lower bound ceil(tokens / capacity);
 - micro-batches per data-parallel rank;
@@ -11,12 +18,14 @@ would (`mcore_packing.planning.report`: packing, dynamic or padded; DP/TP/PP/CP/
 - predicted compute saved, from linear and quadratic (attention) FLOPs of the model shape;
 - a budget recommendation (the smallest budget whose utilization is within 1% of the best tried).
 
-It writes one PNG (length histogram, micro-batch fill, per-rank load, useful-token share per mode) and,
-with ``--json``, one JSON document. Bad input exits with code 2 and a message that says what to fix.
-Never imports torch: it runs on a login node.
+With ``--png FILE`` it draws one figure (length histogram, micro-batch fill, per-rank load, useful-token
+share per mode); with ``--json`` it prints one JSON document. Bad input exits with code 2 and a message
+that says what to fix. Never imports torch or megatron-core: it runs on a login node.
 
-    python -m mcore_packing plan                                        # CHAMP conversations, qwen3 tokens
-    python -m mcore_packing plan --jsonl my.jsonl --field text --dp 8 --cp 2 --recipe llama3_8b_sft_packed
+    python -m mcore_packing plan                                     # the default run (tiny GPT, CHAMP)
+    python -m mcore_packing plan --recipe llama3_8b_sft_packed --hf-path /ckpt/Llama-3.1-8B \
+        --jsonl chat.jsonl --field messages                          # your data, the checkpoint's tokenizer
+    python -m mcore_packing plan --recipe qwen2_7b_grpo_cp grpo.rollouts=rollouts.jsonl parallel.cp=4
     python -m mcore_packing plan --lengths lengths.npy --mb-tokens 8192 --json > plan.json
 """
 
@@ -31,18 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from ..data.real_text import REAL_CORPORA, real_corpus_lengths
-from ..packing import DEFAULT_ALGORITHM, PackingMetrics, get_packer, resolve_algorithm
-from ..planning import (
-    BALANCES,
-    MODES,
-    ORDERS,
-    CostModel,
-    ModelShape,
-    ParallelLayout,
-    StepPlanConfig,
-    recommend_budget,
-    summarize,
-)
+from ..packing import PackingMetrics, get_packer, resolve_algorithm
+from ..planning import BALANCES, MODES, ORDERS, ModelShape, StepPlanConfig, recommend_budget, summarize
+from .config import ConfigError, TrainConfig, plan_config, validate_layout
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
@@ -55,15 +55,11 @@ def recipe_shape(name: str) -> ModelShape:
 
 
 DEFAULT_SHAPE = recipe_shape("llama3_8b_sft_packed")
-"""Model shape for cost numbers when none is given: the Llama-3-8B recipe's."""
+"""The Llama-3-8B recipe's model shape (the benchmarks price their plans with it)."""
 
 
 class PlanInputError(ValueError):
     """Bad user input for the planner; reported with exit code 2."""
-
-
-_REFINE = {"default": None, "on": True, "off": False}
-"""``--refine`` choices to `get_packer`'s ``refine``."""
 
 
 def load_lengths(path: str) -> np.ndarray:
@@ -96,19 +92,6 @@ def _parse_int(token: str, index: int, path: str) -> int:
         return int(token)
     except ValueError:
         raise PlanInputError(f"{path!r}: entry {index} = {token!r} is not an integer length.") from None
-
-
-def jsonl_lengths(path: str, field: str, encoding: str) -> np.ndarray:
-    """Token counts of ``field`` in every record of a JSONL file (quicktok, bundled vocabulary)."""
-    import quicktok
-
-    from ..data.real_text import get_tokenizer, read_jsonl_texts
-
-    try:
-        texts = read_jsonl_texts(path, field)
-    except (FileNotFoundError, ValueError) as exc:
-        raise PlanInputError(f"{exc} (pass --field NAME for another field)") from None
-    return np.asarray(quicktok.count_batch(get_tokenizer(encoding), texts), dtype=np.int64)
 
 
 def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanConfig, source: str) -> None:
@@ -159,46 +142,75 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     plt.close(fig)
 
 
+_KEYS = {
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "cp": "parallel.cp",
+    "sp": "parallel.sequence_parallel",
+    "global_batch_size": "training.global_batch_size",
+    "micro_batch_size": "training.padded_micro_batch_rows",
+    "balance": "training.balance",
+    "steps": "training.steps",
+    "algorithm": "sequence_packing.algorithm",
+    "refine": "sequence_packing.refine",
+    "order": "sequence_packing.microbatch_order",
+    "hf_path": "model.hf_path",
+    "encoding": "data.encoding",
+    "field": "data.text_field",
+    "num_layers": "model.num_layers",
+    "hidden_size": "model.hidden_size",
+    "num_attention_heads": "model.num_attention_heads",
+    "num_query_groups": "model.num_query_groups",
+    "ffn_hidden_size": "model.ffn_hidden_size",
+    "vocab_size": "model.vocab_size",
+}
+"""Each flag's config key: a flag is a shorthand, and the config is the one source of every default."""
+
+_MODES = {
+    "packing": ("true", "false"),
+    "dynamic": ("false", "true"),
+    "padded": ("false", "false"),
+}
+"""``--mode``: (sequence_packing.enabled, dynamic_batching.enabled)."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m mcore_packing plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m mcore_packing plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="Other arguments are Hydra overrides of the training config, as for train (data=jsonl ...).",
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--corpus", choices=REAL_CORPORA, help="built-in real corpus (default: champ)")
-    src.add_argument("--lengths", help="file of lengths: .npy, .json list, or whitespace-separated integers")
-    src.add_argument("--jsonl", help="JSONL file; its --field is tokenized with --encoding")
-    p.add_argument("--field", default="text", help="JSONL field holding the text (default: text)")
-    p.add_argument("--encoding", default="qwen3", help="bundled tokenizer for --jsonl/--corpus (default: qwen3)")
-    p.add_argument("--mode", choices=MODES, default="packing")
-    p.add_argument(
-        "--mb-tokens",
-        "--capacity",
-        dest="mb_tokens",
-        type=int,
-        default=16384,
-        help="train_mb_tokens: tokens per GPU per micro-batch (x cp per packed row)",
-    )
-    p.add_argument("--algorithm", default=DEFAULT_ALGORITHM.value)
+    src.add_argument("--corpus", choices=REAL_CORPORA, help="plan a built-in real corpus's lengths (--encoding tokens)")
+    src.add_argument("--lengths", help="plan a file of lengths: .npy, .json list, or whitespace-separated integers")
+    src.add_argument("--jsonl", help="the run's data from this JSONL file (data.source=jsonl data.path=FILE)")
+    p.add_argument("--field", help="data.text_field: the JSONL field with the text or the chat messages")
+    p.add_argument("--hf-path", help="model.hf_path: the checkpoint's shape, tokenizer and chat template")
+    p.add_argument("--encoding", help="data.encoding: the bundled vocabulary (no --hf-path)")
+    p.add_argument("--mode", choices=MODES, help="packing | dynamic | padded (default: the config's)")
+    p.add_argument("--mb-tokens", "--capacity", dest="mb_tokens", type=int,
+                   help="train_mb_tokens of the active section: tokens per GPU per micro-batch")  # fmt: skip
+    p.add_argument("--algorithm", help="sequence_packing.algorithm")
     p.add_argument(
         "--refine",
         choices=["default", "on", "off"],
-        default="default",
-        help="bin-count refinement after packing (default: the algorithm's, on for MFFD)",
+        help="sequence_packing.refine: bin-count refinement after packing (default: the algorithm's)",
     )
-    p.add_argument("--global-batch-size", type=int, default=512, help="sequences per global batch (0: all)")
-    p.add_argument("--micro-batch-size", type=int, default=4, help="rows per micro-batch of the padded baseline")
-    for name in ("dp", "tp", "pp", "cp"):
-        p.add_argument(f"--{name}", type=int, default=1)
-    p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--order", choices=ORDERS, default="auto", help="microbatch_order (default: auto)")
-    p.add_argument(
-        "--balance",
-        choices=BALANCES,
-        default="cost",
-        help="how micro-batches go to DP ranks (default: attention-aware cost)",
-    )
+    p.add_argument("--global-batch-size", type=int,
+                   help="training.global_batch_size (0 with --lengths/--corpus: all of them in one batch)")  # fmt: skip
+    p.add_argument("--micro-batch-size", type=int, help="training.padded_micro_batch_rows (the padded baseline)")
+    p.add_argument("--steps", type=int, help="training.steps: how many of the run's global batches to plan")
+    p.add_argument("--dp", type=int, help="data-parallel ranks (default: the config's cluster / (tp x pp x cp))")
+    for name in ("tp", "pp", "cp"):
+        p.add_argument(f"--{name}", type=int, help=f"parallel.{name}")
+    p.add_argument("--sp", action=argparse.BooleanOptionalAction, help="parallel.sequence_parallel")
+    p.add_argument("--order", choices=ORDERS, help="sequence_packing.microbatch_order")
+    p.add_argument("--balance", choices=BALANCES, help="training.balance: how micro-batches go to DP ranks")
     recipes = ", ".join(sorted(RECIPES))
-    p.add_argument("--recipe", help=f"take the model shape from a recipe of mcore_packing.app.recipes: {recipes}")
+    p.add_argument("--recipe", help=f"start from a recipe of mcore_packing.app.recipes: {recipes}")
+    p.add_argument("--num-nodes", type=int, help="with --recipe: nodes the recipe plans for")
+    p.add_argument("--gpus-per-node", type=int, help="with --recipe: GPUs per node")
     for name, key in (
         ("layers", "num_layers"),
         ("hidden", "hidden_size"),
@@ -207,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("ffn", "ffn_hidden_size"),
         ("vocab", "vocab_size"),
     ):
-        p.add_argument(f"--{name}", dest=key, type=int, default=None)
+        p.add_argument(f"--{name}", dest=key, type=int, help=f"model.{key}")
     p.add_argument("--png", default=None, help="write the figure to this PNG file (none unless given)")
     p.add_argument("--no-png", action="store_true", help="write no figure even with --png (scripts)")
     p.add_argument("--no-recommend", action="store_true", help="skip the budget recommendation")
@@ -215,98 +227,110 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_FLAG_NAMES = {"num_layers": "--layers", "hidden_size": "--hidden", "num_attention_heads": "--heads",
+               "num_query_groups": "--kv-heads", "ffn_hidden_size": "--ffn", "vocab_size": "--vocab",
+               "mb_tokens": "--mb-tokens", "hf_path": "--hf-path"}  # fmt: skip
+
+
+def _flag(dest: str) -> str:
+    return _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, overrides = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    unknown = [o for o in overrides if o.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)} (see --help; other arguments are Hydra overrides)")
+    given: dict[str, str] = {}
     try:
-        return _run(args)
-    except PlanInputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        return _run(args, overrides, given)
+    except (PlanInputError, ConfigError) as exc:
+        message = str(exc)
+        for key, flag in given.items():  # name the flag the user typed, not the key it set
+            message = message.replace(key, flag)
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 
-_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size")
+def _overrides(args, user: list[str], cfg: TrainConfig | None, given: dict[str, str]) -> list[str]:
+    """The flags as Hydra overrides around the user's: data defaults of ``--jsonl`` first (the user's keys
+    win), the flags last. ``cfg`` (the config without the flags) tells which section's budget ``--mb-tokens``
+    sets; ``given`` collects key -> flag for the error messages."""
+    head = ["data.source=jsonl", f"data.path={args.jsonl}", "data.num_samples=null"] if args.jsonl else []
+    tail = []
+    if args.mode is not None:
+        packing, dynamic = _MODES[args.mode]
+        tail += [f"sequence_packing.enabled={packing}", f"dynamic_batching.enabled={dynamic}"]
+    for dest, key in _KEYS.items():
+        value = getattr(args, dest)
+        if value is None or (dest == "global_batch_size" and value == 0):
+            continue
+        if dest == "refine":
+            value = {"default": "null", "on": "true", "off": "false"}[value]
+        elif isinstance(value, bool):
+            value = str(value).lower()
+        elif dest == "hf_path":
+            value = json.dumps(str(value))  # a quoted string: paths may hold '=' or ':'
+        tail.append(f"{key}={value}")
+        given[key] = _flag(dest)
+    if args.mb_tokens is not None:
+        dynamic = args.mode == "dynamic" or (args.mode is None and cfg is not None and cfg.dynamic_batching.enabled
+                                             and not cfg.sequence_packing.enabled)  # fmt: skip
+        key = f"{'dynamic_batching' if dynamic else 'sequence_packing'}.train_mb_tokens"
+        tail.append(f"{key}={args.mb_tokens}")
+        given[key] = "--mb-tokens"
+    return [*head, *user, *tail]
 
 
-def _shape_from_args(args) -> ModelShape:
-    """``--recipe``'s shape (default: the Llama-3-8B recipe's), with any of the shape flags applied."""
-    if args.recipe and args.recipe not in RECIPES:
-        raise PlanInputError(f"Unknown recipe {args.recipe!r}. Available: {', '.join(sorted(RECIPES))}.")
-    shape = recipe_shape(args.recipe) if args.recipe else DEFAULT_SHAPE
-    changes = {key: getattr(args, key) for key in _SHAPE_FLAGS if getattr(args, key) is not None}
-    try:
-        return dataclasses.replace(shape, **changes)
-    except ValueError as exc:
-        raise PlanInputError(str(exc)) from None
+def _compose(args, user: list[str], given: dict[str, str]) -> TrainConfig:
+    from .train_command import _check_flags, compose_config
+
+    _check_flags(args)
+    sizes = {"num_nodes": args.num_nodes, "gpus_per_node": args.gpus_per_node}
+    base = compose_config(args.recipe, _overrides(args, user, None, {}), **sizes) if args.mb_tokens else None
+    return compose_config(args.recipe, _overrides(args, user, base, given), **sizes)
 
 
-def _read_lengths(args) -> tuple[str, np.ndarray]:
-    if args.lengths:
-        source, lengths = args.lengths, load_lengths(args.lengths)
-    elif args.jsonl:
-        source, lengths = args.jsonl, jsonl_lengths(args.jsonl, args.field, args.encoding)
-    else:
-        corpus = args.corpus or "champ"
-        source, lengths = f"real:{corpus} ({args.encoding} tokens)", real_corpus_lengths(corpus, args.encoding)
-    if (lengths <= 0).any():
-        bad = int(np.flatnonzero(lengths <= 0)[0])
-        raise PlanInputError(f"{source}: length {bad} is {int(lengths[bad])}; every sequence needs at least one token.")
-    return source, lengths
-
-
-def _config_from_args(args, model: CostModel, model_shape: ModelShape) -> StepPlanConfig:
-    for name in ("mb_tokens", "dp", "tp", "pp", "cp", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            raise PlanInputError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}.")
-    if args.global_batch_size < 0:
-        raise PlanInputError("--global-batch-size must be >= 0 (0 plans the whole data set as one batch).")
-    if 0 < args.global_batch_size < args.dp:
+def _world(args, cfg: TrainConfig) -> int:
+    """``--dp`` x TP x PP x CP, else the config's cluster (which TP x PP x CP must divide)."""
+    par = cfg.parallel
+    model_parallel = par.tp * par.pp * par.cp
+    if args.dp is not None:
+        if args.dp < 1:
+            raise PlanInputError(f"--dp must be >= 1, got {args.dp}.")
+        return args.dp * model_parallel
+    world = cfg.cluster.num_nodes * cfg.cluster.gpus_per_node
+    if world % model_parallel:
         raise PlanInputError(
-            f"--global-batch-size {args.global_batch_size} is smaller than --dp {args.dp}; every rank needs a sample."
+            f"the config's cluster has {world} GPU(s) (cluster.num_nodes x cluster.gpus_per_node), which tp x pp x cp "
+            f"= {par.tp} x {par.pp} x {par.cp} does not divide: pass --dp N to plan N data-parallel ranks of it."
         )
-    try:
-        resolve_algorithm(args.algorithm)
-        layout = ParallelLayout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, sequence_parallel=args.sp)
-        layout.check_heads(model_shape.num_attention_heads, model_shape.kv_heads)
-        return StepPlanConfig(
-            mode=args.mode,
-            train_mb_tokens=args.mb_tokens,
-            algorithm=args.algorithm,
-            refine=_REFINE[args.refine],
-            layout=layout,
-            padded_rows=args.micro_batch_size,
-            balance=args.balance,
-            microbatch_order=args.order,
-            cost_model=model,
-        )
-    except ValueError as exc:
-        flags = {"model.num_attention_heads": "--heads", "model.num_query_groups": "--kv-heads", "parallel.tp": "--tp"}
-        message = str(exc)
-        for key, flag in flags.items():
-            message = message.replace(key, flag)
-        raise PlanInputError(message) from None
+    return world
 
 
-def _run(args: argparse.Namespace) -> int:
-    shape = _shape_from_args(args)
-    model = CostModel.from_shape(shape)
-    config = _config_from_args(args, model, shape)
-    source, lengths = _read_lengths(args)
+def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> int:
+    cfg = _compose(args, user, given)
+    world = _world(args, cfg)
+    if args.lengths or args.corpus:
+        source, lengths, config, shape, cuts = _other_lengths(args, cfg, world)
+    else:
+        if args.global_batch_size == 0:
+            raise PlanInputError("--global-batch-size 0 (one batch of everything) is for --lengths/--corpus; the "
+                                 "run's data is planned in the run's global batches.")  # fmt: skip
+        source, lengths, config, shape, cuts = _run_data(cfg, world)
+    gbs, sizes, groups = cuts
+    # the pad-to-longest baseline has the run's padded rows (the plan itself only uses them in padded mode)
+    config = dataclasses.replace(config, padded_rows=cfg.training.padded_micro_batch_rows)
     try:
-        if args.mode != "padded":
-            config.check_fits(lengths, key="--mb-tokens", fix="truncate or split those sequences upstream")
-        summary = summarize(
-            lengths,
-            config,
-            global_batch_size=args.global_batch_size,
-            padded_rows=args.micro_batch_size,
-            model=model,
-            progress=not args.json,
-        )
+        summary = summarize(lengths, config, global_batch_size=gbs, padded_rows=config.padded_rows,
+                            model=config.cost_model, progress=not args.json, batch_sizes=sizes,
+                            groups=groups)  # fmt: skip
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
     if args.png and not args.no_png:
         write_png(args.png, lengths, summary, config, source)
-    doc = _document(args, source, lengths, config, shape, summary)
+    doc = _document(args, cfg, source, lengths, config, shape, summary, cuts)
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
@@ -314,14 +338,72 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _document(args, source, lengths, config: StepPlanConfig, shape: ModelShape, summary: dict) -> dict:
+def _other_lengths(args, cfg: TrainConfig, world: int):
+    """``--lengths`` / ``--corpus``: the run's settings, the model's shape, consecutive global batches."""
+    layout = validate_layout(cfg, world)
+    shape = cfg.model.shape(cfg.data.vocab_size)
+    try:
+        layout.check_heads(shape.num_attention_heads, shape.kv_heads)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    config = plan_config(cfg, layout)
+    if args.lengths:
+        source, lengths = args.lengths, load_lengths(args.lengths)
+    else:
+        encoding = cfg.data.encoding
+        source, lengths = f"real:{args.corpus} ({encoding} tokens)", real_corpus_lengths(args.corpus, encoding)
+    if (lengths <= 0).any():
+        bad = int(np.flatnonzero(lengths <= 0)[0])
+        raise PlanInputError(f"{source}: length {bad} is {int(lengths[bad])}; every sequence needs at least one token.")
+    gbs = 0 if args.global_batch_size == 0 else cfg.training.global_batch_size
+    if 0 < gbs < layout.dp:
+        raise PlanInputError(f"--global-batch-size {gbs} is smaller than --dp {layout.dp}; every rank needs a sample.")
+    if config.mode != "padded":
+        key = "sequence_packing" if config.mode == "packing" else "dynamic_batching"
+        try:
+            config.check_fits(lengths, key=f"{key}.train_mb_tokens", fix="truncate or split those sequences upstream")
+        except ValueError as exc:
+            raise PlanInputError(str(exc)) from None
+    return source, lengths, config, shape, (gbs, None, None)
+
+
+def _run_data(cfg: TrainConfig, world: int):
+    """The run's data as the trainer loads it, drawn in its global batches, cut as its training pass plans."""
+    from .algorithms import get_algorithm
+    from .global_batches import GlobalBatchSampler
+    from .trainer import prepare_run
+
+    algorithm = get_algorithm(cfg.algorithm)
+    missing = algorithm.missing_data(cfg)
+    if missing is not None:
+        raise PlanInputError(f"{missing}, or plan other lengths with --lengths FILE or --corpus NAME.")
+    inputs = prepare_run(cfg, world, dry_run=True)
+    sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
+    order, sizes, groups = [], [], []
+    for _ in range(cfg.training.steps):
+        batch_ids = inputs.data.sample_ids(sampler.next_batch())
+        for ids, pass_groups in algorithm.training_passes(cfg, inputs.data, batch_ids):
+            order += ids
+            sizes.append(len(ids))
+            groups += pass_groups if pass_groups is not None else [None] * len(ids)
+    lengths = np.asarray([inputs.lengths[i] for i in order], dtype=np.int64)
+    info = inputs.data.info
+    source = f"the run's data: {info.get('path') or info['source']} ({info['tokenizer']})"
+    cuts = (0, sizes, None if all(g is None for g in groups) else groups)
+    return source, lengths, inputs.step_config, inputs.shape, cuts
+
+
+def _document(args, cfg: TrainConfig, source, lengths, config: StepPlanConfig, shape: ModelShape, summary: dict,
+              cuts) -> dict:  # fmt: skip
     capacity = config.row_capacity()
-    packer = get_packer(args.algorithm, capacity, refine=config.refine)
+    packer = get_packer(config.algorithm, capacity, refine=config.refine)
+    gbs, sizes, groups = cuts
     whole = None
-    if args.mode == "packing":
+    if config.mode == "packing" and groups is None:  # groups (DPO pairs) pack only within their batches
         padded = config.padded_lengths(lengths)
         whole = PackingMetrics.compute(padded, packer.pack_bins(padded), capacity).to_dict()
-    recommend = not args.no_recommend and args.mode != "padded"
+    recommend = not args.no_recommend and config.mode != "padded"
+    layout = config.layout
     return {
         "source": source,
         "num_sequences": int(lengths.size),
@@ -333,24 +415,29 @@ def _document(args, source, lengths, config: StepPlanConfig, shape: ModelShape, 
             "max": int(lengths.max()),
         },
         "config": {
-            "mode": args.mode,
-            "train_mb_tokens": args.mb_tokens,
+            "recipe": args.recipe,
+            "algorithm_of_training": cfg.algorithm,
+            "mode": config.mode,
+            "train_mb_tokens": config.train_mb_tokens,
             "row_capacity": capacity,
-            "algorithm": resolve_algorithm(args.algorithm).value,
+            "algorithm": resolve_algorithm(config.algorithm).value,
             "refine": packer.refine,
-            "global_batch_size": args.global_batch_size,
-            "dp": args.dp,
-            "tp": args.tp,
-            "pp": args.pp,
-            "cp": args.cp,
-            "sp": args.sp,
+            "global_batch_size": gbs if sizes is None else cfg.training.global_batch_size,
+            "planned_batches": summary["num_global_batches"],
+            "dp": layout.dp,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "cp": layout.cp,
+            "sp": layout.sequence_parallel,
             "padded_rows": config.padded_rows,
-            "balance": args.balance,
+            "balance": config.balance,
             "model_shape": shape.to_dict(),
         },
         "summary": {k: v for k, v in summary.items() if not k.startswith("_")},
         "whole_dataset_packing": whole,
-        "budget": recommend_budget(lengths, config, args.global_batch_size, config.cost_model) if recommend else None,
+        "budget": recommend_budget(lengths, config, gbs, config.cost_model, batch_sizes=sizes, groups=groups)
+        if recommend
+        else None,
         "png": args.png if args.png and not args.no_png else None,
     }
 
@@ -365,6 +452,7 @@ def _print_text(doc: dict) -> None:
     print(
         f"plan: mode={c['mode']} train_mb_tokens={c['train_mb_tokens']} (row {c['row_capacity']} tokens) "
         f"algorithm={c['algorithm']} refine={c['refine']} global_batch_size={c['global_batch_size']} "
+        f"({c['planned_batches']} planned batches) "
         f"dp={c['dp']} tp={c['tp']} pp={c['pp']} cp={c['cp']} sp={c['sp']}"
     )
     print(

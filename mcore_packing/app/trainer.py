@@ -24,11 +24,11 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
+from ..planning import ModelShape, ParallelLayout, StepPlan, StepPlanConfig, plan_step
 from ..planning.hf_config import check_output_folder, check_safetensors
 from .algorithms import RunData, get_algorithm
 from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
-from .config import ConfigError, TrainConfig, check_data_fits, plan_config, validate_layout
+from .config import ConfigError, ModelConfig, TrainConfig, check_data_fits, plan_config, validate_layout
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
 from .model_setup import default_device, device_context, setup_training
@@ -99,12 +99,14 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
-    """With model.hf_path the checkpoint's config.json defines the model: say which set keys lose."""
+    """With model.hf_path the checkpoint's config.json defines the model: say which set keys lose (keys
+    left at the schema's defaults were not set, and are not named)."""
     if cfg.model.hf_path is None:
         return
     declared = cfg.model.declared_shape(shape.vocab_size)
+    unset = ModelConfig()
     for key, value in declared.to_dict().items():
-        if value != getattr(shape, key) and key != "family":
+        if value != getattr(shape, key) and key != "family" and value != getattr(unset, key, None):
             warnings.warn(
                 f"model.{key}={value} is ignored: {cfg.model.hf_path}/config.json says {getattr(shape, key)}.",
                 stacklevel=2,
@@ -128,6 +130,7 @@ def train(cfg: TrainConfig) -> dict:
     summary = {"losses": [], "steps": [], "sample_ids": [], "mode": inputs.step_config.mode, "stopped_at": None}
     with device_context(default_device()):
         setup = setup_training(cfg, inputs.shape)
+        quiet_megatron_on_cpu(cpu=setup.policy.device.type == "cpu")
         _announce(cfg, setup, inputs.data, inputs.step_config.mode)
         summary["rank"] = setup.rank
         fingerprint = data_fingerprint(inputs.data.samples, inputs.data.fingerprint_extra)
@@ -219,11 +222,15 @@ def dry_run(cfg: TrainConfig) -> dict:
                 "first_global_batch": None, "note": missing}  # fmt: skip
     inputs = prepare_run(cfg, world, dry_run=True)
     sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
-    batch = [inputs.lengths[i] for i in inputs.data.sample_ids(sampler.next_batch())]
-    try:
-        plan = plan_step(batch, inputs.step_config)  # the training pass (GRPO: groups may split there)
+    batch_ids = inputs.data.sample_ids(sampler.next_batch())
+    batch = [inputs.lengths[i] for i in batch_ids]
+    passes = get_algorithm(cfg.algorithm).training_passes(cfg, inputs.data, batch_ids)
+    try:  # the training pass: DPO keeps pairs together, GRPO plans each minibatch
+        plans = [plan_step([inputs.lengths[i] for i in ids], inputs.step_config, groups=groups)
+                 for ids, groups in passes]  # fmt: skip
     except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
         raise ConfigError(f"the first global batch: {exc}") from None
+    plan = plans[0] if len(plans) == 1 else StepPlan.chained(plans)
     return {
         "world_size": world,
         "layout": inputs.layout.to_dict(),
@@ -238,13 +245,22 @@ def dry_run(cfg: TrainConfig) -> dict:
     }
 
 
-def quiet_megatron_on_cpu() -> None:
-    """Megatron logs every DDP bucket at INFO and warns that TE/Apex are absent; neither helps a user here."""
+def quiet_megatron_on_cpu(*, cpu: bool = False) -> None:
+    """Silence what helps no user of these commands: Megatron's INFO line per DDP bucket, its warnings that
+    TE/Apex are absent (we say which backend runs), and torch's deprecation of the collectives Megatron's
+    TP/SP layers call (``all_gather_into_tensor``, ``reduce_scatter_tensor``: Megatron's to change). On a
+    CPU (``cpu``) also the advice to set CUDA_DEVICE_MAX_CONNECTIONS, which only a GPU reads (the sbatch
+    launcher sets it). Our own warnings, and any other, stay."""
     logging.getLogger("megatron").setLevel(logging.WARNING)
-    for pattern in (
+    patterns = [
         ".*Transformer Engine and Apex are not installed.*",
         ".*Apex is not installed.*",
         ".*full scope is deprecated.*",
         ".*torch.jit.script_method.*",
-    ):
+        ".*torch.distributed.all_gather_into_tensor` is deprecated.*",
+        ".*torch.distributed.reduce_scatter_tensor` is deprecated.*",
+    ]
+    if cpu:
+        patterns.append(".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    for pattern in patterns:
         warnings.filterwarnings("ignore", message=pattern)

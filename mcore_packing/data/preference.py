@@ -13,9 +13,10 @@ template (``tokenizer_path``: `hf_tokenizer.ChatTokenizer`) or, without one, the
 response's. Only the response's tokens are learned (loss mask 1): a chat response's assistant turns, a
 text response's every token. Sample ``2i`` is pair ``i``'s chosen response, ``2i + 1`` its rejected one.
 
-Refused, naming ``file:line`` and the fix (up to ten bad lines at once, `jsonl.BadLines`): a line that is not a JSON object, missing keys, an empty or
-non-assistant response, chosen equal to rejected, token ids that are not integers >= 0. Pairs with a
-sample over ``max_sample_tokens`` are dropped and counted (both responses go, so no pair is broken).
+Refused, naming ``file:line`` and the fix (up to ten bad lines at once, `jsonl.BadLines`): a line that
+is not a JSON object, missing keys, an empty or non-assistant response, chosen equal to rejected, token
+ids that are not integers >= 0. Pairs with a sample over ``max_sample_tokens`` are dropped and counted
+(both responses go, so no pair is broken).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -52,8 +53,8 @@ class _Tally:
         self.rank_tokens = np.zeros(self.dp)
         self.rank_cost = np.zeros(self.dp)
 
-    def add(self, batch: np.ndarray, config: StepPlanConfig, padded_rows: int, model: CostModel) -> None:
-        plan = plan_step(batch, config)
+    def add(self, batch: np.ndarray, config: StepPlanConfig, padded_rows: int, model: CostModel, groups=None) -> None:
+        plan = plan_step(batch, config, groups=groups)
         capacity = plan.row_capacity
         self.lower_bound += -(-int(batch.sum()) // capacity)
         tokens = np.array([sum(mb.padded_tokens for mb in rank) for rank in plan.micro_batches], dtype=np.float64)
@@ -118,23 +119,39 @@ def summarize(
     padded_rows: int,
     model: CostModel,
     progress: bool = False,
+    batch_sizes: Sequence[int] | None = None,
+    groups: Sequence | None = None,
 ) -> dict:
-    """Plan every global batch of ``lengths`` (data order; 0 = one batch) and aggregate the statistics.
+    """Plan every global batch of ``lengths`` (in order; 0 = one batch) and aggregate the statistics.
 
-    ``model`` prices the pad-to-longest baseline and the real work; the plan's micro-batches are priced
-    by ``config.cost_model`` (pass the same model in both for comparable numbers).
+    ``batch_sizes`` (default: ``global_batch_size`` each) cuts ``lengths`` into the batches to plan, one
+    `plan_step` each, and ``groups`` (a group id per sample, or None) keeps groups in one micro-batch: what
+    a training run's passes do (`app.algorithms`' ``training_passes``). ``model`` prices the pad-to-longest
+    baseline and the real work; the plan's micro-batches are priced by ``config.cost_model`` (pass the same
+    model in both for comparable numbers).
     """
-    step = global_batch_size if global_batch_size > 0 else lengths.size
-    starts = range(0, lengths.size, step)
-    show = progress and len(starts) >= 200 and sys.stderr.isatty()
+    bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
+    show = progress and len(bounds) >= 200 and sys.stderr.isatty()
     tally = _Tally(dp=config.layout.dp)
     began = time.time()
-    for k, lo in enumerate(starts):
-        tally.add(lengths[lo : lo + step], config, padded_rows, model)
-        if show and (k % 50 == 0 or k == len(starts) - 1):
-            sys.stderr.write(f"\rplanning global batches: {k + 1}/{len(starts)} ({time.time() - began:4.1f}s)")
-            sys.stderr.write("\n" if k == len(starts) - 1 else "")
-    return _summary(lengths, config, model, tally, len(starts))
+    for k, (lo, hi) in enumerate(bounds):
+        tally.add(lengths[lo:hi], config, padded_rows, model, None if groups is None else list(groups[lo:hi]))
+        if show and (k % 50 == 0 or k == len(bounds) - 1):
+            sys.stderr.write(f"\rplanning global batches: {k + 1}/{len(bounds)} ({time.time() - began:4.1f}s)")
+            sys.stderr.write("\n" if k == len(bounds) - 1 else "")
+    return _summary(lengths, config, model, tally, len(bounds))
+
+
+def _cuts(total: int, global_batch_size: int, batch_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` of the batches: ``batch_sizes`` (which must add up to ``total``), else
+    consecutive runs of ``global_batch_size`` (0: one batch)."""
+    if batch_sizes is None:
+        step = global_batch_size if global_batch_size > 0 else total
+        return [(lo, min(lo + step, total)) for lo in range(0, total, step)]
+    ends = np.cumsum(batch_sizes).tolist()
+    if not ends or ends[-1] != total or min(batch_sizes) < 1:
+        raise ValueError(f"batch_sizes must be >= 1 and add up to the {total} lengths, got {list(batch_sizes)[:8]}")
+    return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
 def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _Tally, num_batches: int) -> dict:
@@ -173,20 +190,39 @@ def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _
     }
 
 
-def recommend_budget(lengths: np.ndarray, base: StepPlanConfig, global_batch_size: int, model: CostModel) -> dict:
+def recommend_budget(
+    lengths: np.ndarray,
+    base: StepPlanConfig,
+    global_batch_size: int,
+    model: CostModel,
+    *,
+    batch_sizes: Sequence[int] | None = None,
+    groups: Sequence | None = None,
+) -> dict:
     """Try budgets from the longest padded sample up to 4x it and pick the smallest one that is within one
     point of the best tried: for packing the fill of the row capacity (real tokens / micro-batches x
     capacity), for dynamic batching the useful share of computed tokens. Larger budgets mean fewer,
     bigger micro-batches (less per-micro-batch overhead) and more activation memory."""
-    longest = int(base.padded_lengths(lengths).max())
+    cuts = _cuts(lengths.size, global_batch_size, batch_sizes)[:20]  # the first 20 batches
+    end = cuts[-1][1]
+    padded = base.padded_lengths(lengths)
+    longest = int(padded.max())
+    if groups is not None:  # a group shares one micro-batch: the budget must hold the largest one
+        for lo, hi in cuts:
+            totals: dict = {}
+            for g, n in zip(groups[lo:hi], padded[lo:hi].tolist(), strict=True):
+                totals[g] = totals.get(g, 0) + n
+            longest = max(longest, *totals.values())
     floor = -(-longest // base.layout.cp)
     candidates = sorted({-(-int(floor * f) // 256) * 256 for f in (1, 1.25, 1.5, 2, 3, 4)})
-    sample = lengths[: max(global_batch_size, 1) * 20] if global_batch_size > 0 else lengths
+    sizes = None if batch_sizes is None else [hi - lo for lo, hi in cuts]
+    part = None if groups is None else groups[:end]
     key = "capacity_fill" if base.mode == "packing" else "useful_share_planned"
     rows = []
     for budget in candidates:
         cfg = replace(base, train_mb_tokens=budget)
-        s = summarize(sample, cfg, global_batch_size=global_batch_size, padded_rows=base.padded_rows, model=model)
+        s = summarize(lengths[:end], cfg, global_batch_size=global_batch_size, padded_rows=base.padded_rows,
+                      model=model, batch_sizes=sizes, groups=part)  # fmt: skip
         rows.append(
             {
                 "train_mb_tokens": budget,

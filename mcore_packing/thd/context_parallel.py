@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..compat import te_thd_partitioned_indices
+from ..compat import all_gather_into, te_thd_partitioned_indices
 from ..validators import require_positive_int
 from .packed_batch import PackedBatch
 
@@ -162,7 +162,7 @@ class _AllGatherCat(torch.autograd.Function):
         ctx.rank = dist.get_rank(group)
         ctx.rows = local.shape[0]
         out = local.new_empty((world * local.shape[0], *local.shape[1:]))
-        dist.all_gather_into_tensor(out, local.contiguous(), group=group)
+        all_gather_into(out, local.contiguous(), group)
         return out
 
     @staticmethod

@@ -8,6 +8,8 @@ Each module (`sft`, `grpo`, `dpo`) has:
     check_data(cfg, data, step_config)    checks that need the data and the planner (before Megatron starts)
     batch_units(cfg) -> int               units drawn per step
     optimizer_steps(cfg) -> int           optimizer steps per training step (the LR schedule counts them)
+    training_passes(cfg, data, ids)       -> [(sample ids, group ids | None), ...]: the training pass's
+                                          `plan_step` calls for a drawn batch (the dry run and `plan` plan these)
     make_step(cfg, inputs, setup)         -> take_step(sample_ids) -> (plan, StepOutcome, extra metrics)
 
 The trainer (`app.trainer`) draws units with the seeded `GlobalBatchSampler` (samples for SFT, groups of

@@ -68,6 +68,12 @@ def optimizer_steps(cfg) -> int:
     return 1
 
 
+def training_passes(cfg, data: RunData, batch_ids: list[int]) -> list[tuple[list[int], list[int]]]:
+    """One plan of the batch (whole pairs, in pair order) with each pair in one micro-batch, as `rl.dpo_step`
+    plans its training pass."""
+    return [(list(batch_ids), pair_ids(len(batch_ids)))]
+
+
 def make_step(cfg, inputs, setup):
     """``take_step(sample_ids)`` (whole pairs, in pair order) runs `rl.dpo_step` against the reference."""
     from ...rl import dpo_step

@@ -7,7 +7,13 @@ in file order). Generation is the user's inference engine's job; this file is wh
 
 from __future__ import annotations
 
-from ...losses.rollouts import check_rollouts, group_members, read_rollouts_jsonl_located, rollout_samples
+from ...losses.rollouts import (
+    check_rollouts,
+    group_members,
+    minibatches,
+    read_rollouts_jsonl_located,
+    rollout_samples,
+)
 from ..config import ConfigError, budget_key
 from . import RunData, step_metrics
 
@@ -89,6 +95,13 @@ def batch_units(cfg) -> int:
 
 def optimizer_steps(cfg) -> int:
     return cfg.grpo.num_minibatches
+
+
+def training_passes(cfg, data: RunData, batch_ids: list[int]) -> list[tuple[list[int], None]]:
+    """One plan per minibatch (``grpo.num_minibatches`` runs of whole groups), no groups kept: the loss is
+    per sample, so `rl.rl_step` lets groups split in its training pass."""
+    group_ids = [data.records[i].group_id for i in batch_ids]
+    return [([batch_ids[i] for i in part], None) for part in minibatches(group_ids, cfg.grpo.num_minibatches)]
 
 
 def make_step(cfg, inputs, setup):

@@ -40,6 +40,11 @@ def optimizer_steps(cfg) -> int:
     return 1
 
 
+def training_passes(cfg, data: RunData, batch_ids: list[int]) -> list[tuple[list[int], None]]:
+    """One plan of the whole batch, no groups."""
+    return [(list(batch_ids), None)]
+
+
 def make_step(cfg, inputs, setup):
     """``take_step(sample_ids) -> (plan, StepOutcome, None)``: plan the batch, then one `train_step`."""
     from ...megatron import nll_loss, train_step
@@ -47,7 +52,8 @@ def make_step(cfg, inputs, setup):
     loss = nll_loss(cfg.training.loss_normalization)
 
     def take_step(batch_ids: list[int]):
-        plan = plan_step([inputs.lengths[i] for i in batch_ids], inputs.step_config)
+        ((ids, _),) = training_passes(cfg, inputs.data, batch_ids)
+        plan = plan_step([inputs.lengths[i] for i in ids], inputs.step_config)
         samples = [inputs.data.samples[i] for i in batch_ids]
         return plan, train_step(setup.policy, samples, plan, loss=loss), None
 
