@@ -63,3 +63,21 @@ def test_section_keys_are_the_section_dataclass_fields():
         assert GROUPS[name] is cls  # the Hydra group is the planner's own class
     with pytest.raises(ValueError, match=r"Unknown key\(s\) \['sequence_length_divisible_by'\] in sequence_packing"):
         StepPlanConfig.from_sections(sequence_packing={"enabled": True, "sequence_length_divisible_by": 8})
+
+
+@pytest.mark.parametrize(
+    ("steps", "warmup", "fragment"),
+    [
+        (1, 1, "warmup over 1 step from 0, then constant from lr 0.003 (step 1 runs at lr 0, so 1 optimizer step "
+               "applies 0 updates;"),
+        (3, 2, "warmup over 2 steps from 0, then constant from lr 0.003 (step 1 runs at lr 0, so 3 optimizer steps "
+               "apply 2 updates;"),
+    ],
+)  # fmt: skip
+def test_the_schedule_is_described_in_grammatical_words(steps, warmup, fragment):
+    from mcore_packing.app.trainer import describe_schedule
+
+    overrides = [f"training.steps={steps}", f"optimizer.lr_warmup_iters={warmup}", "optimizer.lr_decay_style=constant"]
+    assert describe_schedule(compose_config(None, overrides)).startswith(fragment)
+    learning = compose_config(None, [*overrides, "optimizer.lr_warmup_init=1e-4"])
+    assert "step 1 runs at lr 0" not in describe_schedule(learning)  # control: a warmup that starts above 0

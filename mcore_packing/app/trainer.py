@@ -202,11 +202,16 @@ def describe_schedule(cfg: TrainConfig) -> str:
     if opt.lr_decay_style != "constant":
         text += f" to {opt.min_lr:g} at optimizer step {opt.decay_iters(steps)}"
     if opt.lr_warmup_iters:
-        text = f"warmup over {opt.lr_warmup_iters} steps from {opt.lr_warmup_init:g}, then " + text
+        text = f"warmup over {_count(opt.lr_warmup_iters, 'step')} from {opt.lr_warmup_init:g}, then " + text
         if opt.lr_warmup_init == 0:
-            text += (f" (step 1 runs at lr 0, so {steps} optimizer steps apply {steps - 1} updates; "
+            text += (f" (step 1 runs at lr 0, so {_count(steps, 'optimizer step')} "
+                     f"{'apply' if steps > 1 else 'applies'} {_count(steps - 1, 'update')}; "
                      "set optimizer.lr_warmup_init > 0 to learn from step 1)")  # fmt: skip
     return text
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def dry_run(cfg: TrainConfig) -> dict:
