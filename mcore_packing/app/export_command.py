@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the stored tensors' dtype (default: the run's training dtype, model.dtype)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
     args = parser.parse_args(argv)
+    from .trainer import quiet_megatron_on_cpu
+
+    quiet_megatron_on_cpu()
     try:
         out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, overwrite=args.overwrite)
     except (ValueError, FileNotFoundError, FileExistsError) as exc:

@@ -203,6 +203,9 @@ def describe_schedule(cfg: TrainConfig) -> str:
         text += f" to {opt.min_lr:g} at optimizer step {opt.decay_iters(steps)}"
     if opt.lr_warmup_iters:
         text = f"warmup over {_count(opt.lr_warmup_iters, 'step')} from {opt.lr_warmup_init:g}, then " + text
+        if opt.lr_warmup_iters >= steps:
+            text += (f" (the run ends inside the warmup, at optimizer step {steps} of {opt.lr_warmup_iters}: lr never "
+                     f"reaches {opt.lr:g}; lower optimizer.lr_warmup_iters)")  # fmt: skip
         if opt.lr_warmup_init == 0:
             text += (f" (step 1 runs at lr 0, so {_count(steps, 'optimizer step')} "
                      f"{'apply' if steps > 1 else 'applies'} {_count(steps - 1, 'update')}; "

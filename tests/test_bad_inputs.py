@@ -1,0 +1,132 @@
+"""The bad inputs of tests/README.md's table not covered by a test of their own: each through the real
+command (in-process), each exits 2 with a message that names the value and the fix, none with a traceback.
+A control shows each command accepts the same input once fixed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mcore_packing.__main__ import main as cli
+
+
+def _write(path, text: str) -> str:
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def _rollouts(path, groups: dict[str, int]) -> str:
+    lines = [json.dumps({"prompt_tokens": [1, 2], "response_tokens": [3, 4 + k], "reward": float(k), "group_id": g})
+             for g, n in groups.items() for k in range(n)]  # fmt: skip
+    return _write(path, "\n".join(lines) + "\n")
+
+
+CASES = {
+    # train --dry-run: data
+    "data.path missing": (["train", "--dry-run", "data=jsonl"], "data.source=jsonl needs data.path"),
+    "data.path absent": (["train", "--dry-run", "data=jsonl", "data.path={tmp}/nope.jsonl"], "does not exist"),
+    "data.text_field absent": (
+        ["train", "--dry-run", "data=jsonl", "data.path={nofield}"],
+        "has no field 'text' (it has ['body']); set data.text_field",
+    ),
+    "data file empty": (["train", "--dry-run", "data=jsonl", "data.path={empty}"], "holds no records"),
+    "long sample with long_samples=error": (
+        ["train", "--dry-run", "data.long_samples=error", "data.max_sample_tokens=50"],
+        "over data.max_sample_tokens=50. Raise it, or set data.long_samples=drop",
+    ),
+    "split conversations": (["train", "--dry-run", "data.long_samples=split"], "would cut conversations"),
+    "every sample dropped": (["train", "--dry-run", "data.max_sample_tokens=5"], "No samples are left"),
+    "batch larger than the data": (
+        ["train", "--dry-run", "training.global_batch_size=100000"],
+        "training.global_batch_size=100000 is larger than the data set",
+    ),
+    "budget below the longest sample": (
+        ["train", "--dry-run", "sequence_packing.train_mb_tokens=100"],
+        "Raise sequence_packing.train_mb_tokens to at least",
+    ),
+    "non-positive steps": (["train", "--dry-run", "training.steps=0"], "training.steps must be an integer >= 1, got 0"),
+    "decay before warmup end": (
+        ["train", "--dry-run", "optimizer.lr_warmup_iters=10", "optimizer.lr_decay_iters=5"],
+        "optimizer.lr_decay_iters=5 must exceed optimizer.lr_warmup_iters=10",
+    ),
+    # train --dry-run: model, checkpoints, recipes, commands
+    "model.hf_path absent": (["train", "--dry-run", "model.hf_path={tmp}/nope"], "config.json does not exist"),
+    "model.hf_path without tokenizer": (
+        ["train", "--dry-run", "model.hf_path={hf_no_tokenizer}"],
+        "tokenizer.json",
+    ),
+    "resume=true without a checkpoint": (
+        ["train", "--dry-run", "resume=true", "run_dir={tmp}/run"],
+        "holds no complete checkpoint. Use resume=auto",
+    ),
+    "unknown recipe": (["train", "--dry-run", "--recipe", "nope"], "Unknown recipe 'nope'. Available:"),
+    "unknown command": (["nope"], "unknown command 'nope'; use one of: train, plan, export, grpo."),
+    # GRPO rollouts
+    "a group of one response": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={single}", "grpo.num_prompts_per_step=1"],
+        "GRPO needs several responses per prompt; group(s) ['b'] have one",
+    ),
+    "more prompts per step than groups": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=9"],
+        "grpo.num_prompts_per_step=9 is more than the 2 groups",
+    ),
+    # plan
+    "plan --global-batch-size 0 on the run's data": (["plan", "--global-batch-size", "0"], "is for --lengths/--corpus"),
+    "plan a GRPO run without rollouts": (["plan", "algorithm=grpo"], "grpo.rollouts is not set"),
+    "plan tp that does not divide the cluster": (["plan", "--tp", "2"], "pass --dp N to plan N data-parallel ranks"),
+    # export
+    "export a folder that is no checkpoint": (
+        ["export", "--checkpoint", "{tmp}/nope", "--out", "{tmp}/hf"],
+        "is neither a checkpoint step folder (mcore_packing.json) nor holds a complete one",
+    ),
+    "export --dtype float8": (
+        ["export", "--checkpoint", "{tmp}/nope", "--out", "{tmp}/hf", "--dtype", "float8"],
+        "invalid choice: 'float8' (choose from",
+    ),
+}
+
+# fmt: off
+FIXED = {  # the control: the same command with the input fixed passes
+    "data.text_field absent": ["train", "--dry-run", "data=jsonl", "data.path={nofield}", "data.text_field=body",
+                               "training.global_batch_size=1"],
+    "more prompts per step than groups": ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}",
+                                          "grpo.num_prompts_per_step=2"],
+    "plan tp that does not divide the cluster": ["plan", "--tp", "2", "--dp", "1", "--steps", "1", "--no-recommend"],
+}
+# fmt: on
+
+
+@pytest.fixture
+def files(tmp_path):
+    hf = tmp_path / "hf_no_tokenizer"
+    hf.mkdir()
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 4096,
+              "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 4096,
+              "tie_word_embeddings": False}  # fmt: skip
+    (hf / "config.json").write_text(json.dumps(config))
+    return {
+        "tmp": str(tmp_path),
+        "nofield": _write(tmp_path / "nofield.jsonl", '{"body": "some text to learn"}\n'),
+        "empty": _write(tmp_path / "empty.jsonl", "\n"),
+        "hf_no_tokenizer": str(hf),
+        "single": _rollouts(tmp_path / "single.jsonl", {"a": 2, "b": 1}),
+        "rollouts": _rollouts(tmp_path / "rollouts.jsonl", {"a": 2, "b": 2}),
+    }
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_bad_input_exits_2_naming_value_and_fix(name, files, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    argv, fragment = CASES[name]
+    try:
+        code = cli([a.format(**files) for a in argv])
+    except SystemExit as exc:  # argparse's own errors exit 2 the same way
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert fragment in err and "Traceback" not in err, err
+    if name in FIXED:
+        code = cli([a.format(**files) for a in FIXED[name]])
+        assert code == 0, capsys.readouterr().err
