@@ -2,7 +2,8 @@
 
     python -m mcore_packing train [--recipe NAME] [--dry-run] [hydra overrides]   train (SFT; algorithm=grpo: RL
                                                                                    on rollouts) or check a config
-    python -m mcore_packing plan  [--lengths FILE | --jsonl FILE | --corpus NAME]  plan your data, no torch
+    python -m mcore_packing plan  [--recipe NAME] [--lengths FILE | --corpus NAME] [hydra overrides]
+                                                                                   plan the run's data, no torch
     python -m mcore_packing export --checkpoint DIR --out HF_FOLDER                a checkpoint for transformers
     python -m mcore_packing grpo [--steps N] [--plot PNG]                          GRPO on a bundled task (CPU)
 
@@ -17,7 +18,7 @@ import sys
 
 COMMANDS = {
     "train": ("mcore_packing.app.train_command", "train (SFT, or GRPO on rollouts) or --dry-run a config or --recipe"),
-    "plan": ("mcore_packing.app.plan_command", "plan a data set as training would and report the savings"),
+    "plan": ("mcore_packing.app.plan_command", "plan the run train would run (its config and data) and report the savings"),
     "export": ("mcore_packing.app.export_command", "write a training checkpoint as a Hugging Face folder"),
     "grpo": ("mcore_packing.app.grpo_command", "GRPO on digit addition with a tiny model (CPU example)"),
 }
