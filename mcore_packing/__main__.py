@@ -18,7 +18,7 @@ import sys
 
 COMMANDS = {
     "train": ("mcore_packing.app.train_command", "train (SFT, or GRPO on rollouts) or --dry-run a config or --recipe"),
-    "plan": ("mcore_packing.app.plan_command", "plan the run train would run (its config and data) and report the savings"),
+    "plan": ("mcore_packing.app.plan_command", "plan the run train would run and report the savings"),
     "export": ("mcore_packing.app.export_command", "write a training checkpoint as a Hugging Face folder"),
     "grpo": ("mcore_packing.app.grpo_command", "GRPO on digit addition with a tiny model (CPU example)"),
 }
