@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..planning import ModelShape
 from .config import ConfigError, TrainConfig
 from .global_batches import GlobalBatchSampler
 from .model_setup import TrainingSetup
@@ -263,9 +264,10 @@ class Checkpointer:
 
     def check_compatible(self, manifest: dict, folder: Path, setup: TrainingSetup, sampler: GlobalBatchSampler):
         """Refuse a checkpoint of another model, data set, seed or optimizer kind, naming what differs."""
+        saved = ModelShape(**manifest["model_shape"]).to_dict()  # JSON lists back to the shape's tuples
         differences = [
             f"model.{key}: checkpoint {value!r}, this run {getattr(setup.shape, key)!r}"
-            for key, value in manifest["model_shape"].items()
+            for key, value in saved.items()
             if getattr(setup.shape, key) != value
         ]
         if manifest["data_fingerprint"] != self.fingerprint:

@@ -159,12 +159,13 @@ class ParallelConfig:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert parallelism (Mixture-of-Experts): experts split over ep of the DP x CP ranks
     sequence_parallel: bool = False
     variable_seq_lengths: bool = False
     make_sequence_length_divisible_by: int | None = None  # NeMo-RL's key; must suit CP/TP
 
     def __post_init__(self):
-        _positive("parallel", self, "tp", "pp", "cp")
+        _positive("parallel", self, "tp", "pp", "cp", "ep")
         _positive("parallel", self, "make_sequence_length_divisible_by", allow_none=True)
         unit = self.layout()  # the layout's own checks (sequence parallelism needs TP)
         cp_multiple = unit.sequence_multiple
@@ -178,16 +179,18 @@ class ParallelConfig:
 
     def layout(self, world_size: int | None = None) -> ParallelLayout:
         """The `ParallelLayout` of these keys on ``world_size`` ranks (DP is what remains; None: one
-        replica). Errors name the keys."""
+        replica, whose check leaves out ep: it spans replicas). Errors name the keys."""
         try:
             return ParallelLayout.for_world(
                 self.tp * self.pp * self.cp if world_size is None else world_size, tp=self.tp, pp=self.pp,
-                cp=self.cp, sequence_parallel=self.sequence_parallel,
+                cp=self.cp, sequence_parallel=self.sequence_parallel, ep=1 if world_size is None else self.ep,
                 keys="parallel.tp x parallel.pp x parallel.cp",
             )  # fmt: skip
         except ValueError as exc:
-            raise ConfigError(str(exc).replace("sequence_parallel=true needs tp", "parallel.sequence_parallel=true "
-                                               "needs parallel.tp")) from None  # fmt: skip
+            message = str(exc).replace("sequence_parallel=true needs tp", "parallel.sequence_parallel=true needs "
+                                       "parallel.tp")  # fmt: skip
+            message = message.replace(f"ep={self.ep} must", f"parallel.ep={self.ep} must")
+            raise ConfigError(message) from None
 
 
 def _number(group: str, obj, name: str, *, low: float, high: float | None = None, open_low: bool = False) -> None:

@@ -146,6 +146,7 @@ _KEYS = {
     "tp": "parallel.tp",
     "pp": "parallel.pp",
     "cp": "parallel.cp",
+    "ep": "parallel.ep",
     "sp": "parallel.sequence_parallel",
     "global_batch_size": "training.global_batch_size",
     "micro_batch_size": "training.padded_micro_batch_rows",
@@ -202,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, help="training.padded_micro_batch_rows (the padded baseline)")
     p.add_argument("--steps", type=int, help="training.steps: how many of the run's global batches to plan")
     p.add_argument("--dp", type=int, help="data-parallel ranks (default: the config's cluster / (tp x pp x cp))")
-    for name in ("tp", "pp", "cp"):
+    for name in ("tp", "pp", "cp", "ep"):
         p.add_argument(f"--{name}", type=int, help=f"parallel.{name}")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, help="parallel.sequence_parallel")
     p.add_argument("--order", choices=ORDERS, help="sequence_packing.microbatch_order")
@@ -344,6 +345,7 @@ def _other_lengths(args, cfg: TrainConfig, world: int):
     shape = cfg.model.shape(cfg.data.vocab_size)
     try:
         layout.check_heads(shape.num_attention_heads, shape.kv_heads)
+        layout.check_experts(shape.num_experts)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     config = plan_config(cfg, layout)
@@ -428,6 +430,7 @@ def _document(args, cfg: TrainConfig, source, lengths, config: StepPlanConfig, s
             "tp": layout.tp,
             "pp": layout.pp,
             "cp": layout.cp,
+            "ep": layout.ep,
             "sp": layout.sequence_parallel,
             "padded_rows": config.padded_rows,
             "balance": config.balance,
@@ -453,7 +456,7 @@ def _print_text(doc: dict) -> None:
         f"plan: mode={c['mode']} train_mb_tokens={c['train_mb_tokens']} (row {c['row_capacity']} tokens) "
         f"algorithm={c['algorithm']} refine={c['refine']} global_batch_size={c['global_batch_size']} "
         f"({c['planned_batches']} planned batches) "
-        f"dp={c['dp']} tp={c['tp']} pp={c['pp']} cp={c['cp']} sp={c['sp']}"
+        f"dp={c['dp']} tp={c['tp']} pp={c['pp']} cp={c['cp']} ep={c['ep']} sp={c['sp']}"
     )
     print(
         f"  micro-batches: {s['micro_batches']:,} over {s['num_global_batches']} global batches "

@@ -39,9 +39,12 @@ __all__ = [
     "llama3_8b_sft_packed",
     "llama3_70b_sft_long_context",
     "llama32_1b_sft_single_gpu",
+    "mixtral_8x7b_sft_packed",
     "qwen2_7b_grpo_cp",
     "qwen3_0_6b_sft_single_gpu",
     "qwen3_8b_sft_packed",
+    "qwen3_30b_a3b_grpo",
+    "qwen3_30b_a3b_sft_packed",
     "rl_optimizer",
     "sft_optimizer",
     "tiny_cpu_sft",
@@ -76,6 +79,15 @@ HF_CONFIGS = {
                        num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                        rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0,
                        tie_word_embeddings=True),
+    "Qwen3-30B-A3B": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0, num_experts=128,
+                          num_experts_per_tok=8, moe_intermediate_size=768, decoder_sparse_step=1, mlp_only_layers=[],
+                          norm_topk_prob=True, router_aux_loss_coef=0.001),
+    "Mixtral-8x7B": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rms_norm_eps=1e-5,
+                         max_position_embeddings=32768, rope_theta=1000000.0, num_local_experts=8,
+                         num_experts_per_tok=2, router_aux_loss_coef=0.02, sliding_window=None),
 }  # fmt: skip
 
 
@@ -90,7 +102,17 @@ def family_model(name: str, *, max_sequence_length: int | None = None) -> ModelC
 
 def _encoding(model: ModelConfig) -> str:
     """The bundled vocabulary closest to the family's, for --dry-run without the checkpoint."""
-    return "llama3" if model.family == "llama" else "qwen3"
+    return "llama3" if model.family in ("llama", "mixtral") else "qwen3"
+
+
+def _ep_for(world: int, model_parallel: int, experts: int, want: int) -> int:
+    """The largest power of two <= ``want`` that divides the experts and the DP x CP ranks left by
+    ``model_parallel`` (TP x PP) of ``world`` GPUs (1 when ``world`` is not a multiple: `_fits` says why)."""
+    ranks = world // model_parallel if world % model_parallel == 0 else 1
+    ep = 1
+    while ep * 2 <= want and ranks % (ep * 2) == 0 and experts % (ep * 2) == 0:
+        ep *= 2
+    return ep
 
 
 def _cluster(num_nodes: int, gpus_per_node: int, backend: str = "nccl") -> ClusterConfig:
@@ -242,6 +264,55 @@ def qwen3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConf
     )
 
 
+def qwen3_30b_a3b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
+    """Qwen3-30B-A3B SFT with packing: 128 experts (top-8) split over up to 8 expert-parallel ranks, TP2 with
+    sequence parallelism for attention, dropless routing with the per-sequence balance loss."""
+    tp = _tp_for(gpus_per_node, 2)
+    ep = _ep_for(num_nodes * gpus_per_node, tp, 128, 8)
+    return _family_recipe(
+        "qwen3-30b-a3b-sft-packed",
+        "Qwen3-30B-A3B",
+        parallel=ParallelConfig(tp=tp, ep=ep, sequence_parallel=tp > 1),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192),
+        training=TrainingConfig(global_batch_size=128, steps=1000),
+        optimizer=sft_optimizer(1e-5, 1000),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=8192,
+    )
+
+
+def qwen3_30b_a3b_grpo(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
+    """Qwen3-30B-A3B GRPO policy step: 64 prompts x 8 responses from ``grpo.rollouts`` (with the engine's
+    log-probs for the importance-sampling correction), the SFT recipe's layout, KL to the starting weights."""
+    cfg = qwen3_30b_a3b_sft_packed(num_nodes, gpus_per_node)
+    packing = dataclasses.replace(cfg.sequence_packing, logprob_mb_tokens=16384, microbatch_order="largest_first")
+    loss = ClippedPGConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, reference_policy_kl_penalty=0.01,
+                           token_level_loss=True, use_importance_sampling_correction=True)  # fmt: skip
+    return dataclasses.replace(
+        cfg, algorithm="grpo", run_name="qwen3-30b-a3b-grpo", sequence_packing=packing, loss_fn=loss,
+        training=TrainingConfig(global_batch_size=512, steps=500), optimizer=rl_optimizer(1e-6),
+        grpo=GRPOConfig(num_prompts_per_step=64, num_generations_per_prompt=8),
+        data=dataclasses.replace(cfg.data, max_sample_tokens=16384),
+    )  # fmt: skip
+
+
+def mixtral_8x7b_sft_packed(num_nodes: int = 2, gpus_per_node: int = 8) -> TrainConfig:
+    """Mixtral-8x7B SFT with packing: TP4 with sequence parallelism and PP2 inside the model, its 8 experts
+    (top-2) over up to 8 expert-parallel ranks of the DP x CP ranks."""
+    tp = _tp_for(gpus_per_node, 4)
+    ep = _ep_for(num_nodes * gpus_per_node, tp * 2, 8, 8)
+    return _family_recipe(
+        "mixtral-8x7b-sft-packed",
+        "Mixtral-8x7B",
+        parallel=ParallelConfig(tp=tp, pp=2, ep=ep, sequence_parallel=tp > 1),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192),
+        training=TrainingConfig(global_batch_size=128, steps=1000),
+        optimizer=sft_optimizer(5e-6, 1000),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=8192,
+    )
+
+
 def _single_gpu_recipe(name: str, model_name: str, num_nodes: int, gpus_per_node: int) -> TrainConfig:
     """A small model on one GPU (data parallel over more): packed 16k-token rows, no model parallelism."""
     return _family_recipe(
@@ -274,6 +345,9 @@ RECIPES = {
     "qwen3_8b_sft_packed": qwen3_8b_sft_packed,
     "qwen3_0_6b_sft_single_gpu": qwen3_0_6b_sft_single_gpu,
     "llama32_1b_sft_single_gpu": llama32_1b_sft_single_gpu,
+    "qwen3_30b_a3b_sft_packed": qwen3_30b_a3b_sft_packed,
+    "qwen3_30b_a3b_grpo": qwen3_30b_a3b_grpo,
+    "mixtral_8x7b_sft_packed": mixtral_8x7b_sft_packed,
 }
 
 

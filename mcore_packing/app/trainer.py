@@ -82,6 +82,17 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
         layout.check_heads(shape.num_attention_heads, shape.kv_heads)
     except ValueError as exc:
         raise ConfigError(str(exc), key="parallel.tp") from None
+    try:
+        layout.check_experts(shape.num_experts)
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="parallel.ep") from None
+    if shape.is_moe and not dry_run:
+        raise ConfigError(
+            f"model.num_experts={shape.num_experts}: Mixture-of-Experts models are planned (plan, train --dry-run: "
+            "the MoE cost model, parameter counts, EP layout checks) and their configs convert, but this version "
+            "does not train them yet: the packed MoE layer with an exact per-sequence balance loss comes next.",
+            key="model.num_experts",
+        )
     if cfg.model.hf_path is not None:
         try:
             check_safetensors(cfg.model.hf_path)
@@ -248,6 +259,10 @@ def dry_run(cfg: TrainConfig) -> dict:
         "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r)
         // inputs.layout.cp,
         "data": inputs.data.info,
+        "parameters": {
+            "total": inputs.shape.num_parameters(),
+            "active_per_token": inputs.shape.num_parameters(active=True),
+        },
         "lr_schedule": describe_schedule(cfg),
         "first_global_batch": {"samples": len(batch), "tokens": sum(batch), **plan.stats()},
     }

@@ -43,6 +43,9 @@ def transformer_config(
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    if shape.is_moe:  # never a dense model in place of the experts
+        raise ValueError(f"shape has num_experts={shape.num_experts}: the packed Mixture-of-Experts layer is not "
+                         "built in this version; MoE shapes are for planning and config conversion.")  # fmt: skip
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
     if shape.gated_mlp:
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)

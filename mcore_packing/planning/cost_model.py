@@ -4,12 +4,17 @@ For a GPT with ``L`` layers, width ``h``, ``n_q`` query heads of size ``d`` (``h
 shape sets ``head_dim``), ``n_kv`` key/value heads, MLP width ``f`` (``gated``: three matrices, else two)
 and vocabulary ``V``, one sequence of ``s`` tokens costs, in forward FLOPs (a multiply-add is 2 FLOPs):
 
-    linear(s)    = s * [ 2 * L * (h*(n_q + 2*n_kv)*d + n_q*d*h + m*h*f) + 2*h*V ]   m = 3 if gated else 2
+    linear(s)    = s * [ 2 * L * (h*(n_q + 2*n_kv)*d + n_q*d*h) + 2 * sum_layers(mlp) + 2*h*V ]
+    mlp          = m*h*f (dense, m = 3 if gated else 2), or in a Mixture-of-Experts layer the work of the
+                   experts a token is routed to: k*3*h*f_e + h*E (router) [+ 3*h*f_s + h (shared expert, gate)]
     attention(s) = 2 * L * n_q*d * s^2      (QK^T and AV: 2 * 2 * s^2 * n_q*d per layer, halved by the causal mask)
 
 Training (forward + backward) is 3x forward. So ``cost(s) = a*s + b*s^2`` with ``a = 3*linear/s`` and
-``b = 3*2*L*h``. Under context parallelism each CP rank does ``1/cp`` of both parts (the load-balanced
-split makes attention work equal), so the per-rank cost is ``cost(s) / cp``.
+``b = 3*2*L*n_q*d``. With top-k routing the linear part counts k experts, not E: dropless routing sends
+every token to exactly k of them, so the work per token is the same for any batch (how evenly the
+experts are loaded is a separate matter, reported by the trainer). Under context parallelism each CP
+rank does ``1/cp`` of both parts (the load-balanced split makes attention work equal), so the per-rank
+cost is ``cost(s) / cp``.
 
 `CostModel.calibrate` fits ``a``, ``b`` and a per-micro-batch constant to measured step times instead
 (non-negative least squares on the tokens, the sum of squared lengths and the micro-batch count of each
@@ -44,15 +49,11 @@ class CostModel:
     @classmethod
     def from_shape(cls, shape: ModelShape, *, training: bool = True) -> CostModel:
         """The FLOP model of the module docstring for a model shape."""
-        per_layer = (
-            shape.hidden_size
-            * (shape.num_attention_heads + 2 * shape.kv_heads)
-            * (shape.hidden_size // shape.num_attention_heads)
-            + shape.hidden_size * shape.hidden_size
-        )
-        per_layer += (3 if shape.gated_mlp else 2) * shape.hidden_size * shape.ffn_size
-        linear = 2.0 * shape.num_layers * per_layer + 2.0 * shape.hidden_size * shape.vocab_size
-        quadratic = 2.0 * shape.num_layers * shape.hidden_size
+        h, q = shape.hidden_size, shape.num_attention_heads * shape.head_size
+        attention = h * (shape.num_attention_heads + 2 * shape.kv_heads) * shape.head_size + q * h
+        mlp = sum(_mlp_flop_params(shape, moe) for moe in shape.moe_layers())
+        linear = 2.0 * (shape.num_layers * attention + mlp) + 2.0 * h * shape.vocab_size
+        quadratic = 2.0 * shape.num_layers * q
         factor = 3.0 if training else 1.0
         return cls(linear=factor * linear, quadratic=quadratic * factor)
 
@@ -94,6 +95,17 @@ class CostModel:
             per_microbatch=overhead,
             per_sequence=float(coef[2]),
         )
+
+
+def _mlp_flop_params(shape: ModelShape, moe: bool) -> int:
+    """Multiply-adds per token of one layer's MLP: dense, or the routed top-k experts, router and shared expert."""
+    h = shape.hidden_size
+    if not moe:
+        return (3 if shape.gated_mlp else 2) * h * shape.ffn_size
+    work = shape.moe_router_topk * 3 * h * shape.expert_size + h * shape.num_experts
+    if shape.moe_shared_expert_size:
+        work += 3 * h * shape.moe_shared_expert_size + (h if shape.moe_shared_expert_gate else 0)
+    return work
 
 
 def _nnls(design: np.ndarray, target: np.ndarray) -> np.ndarray:

@@ -1,7 +1,9 @@
 """Hugging Face ``config.json`` <-> `ModelShape`, for the decoder families we convert (plain JSON, no torch).
 
 Families: Llama (2, 3.x with Llama-3 RoPE scaling), Mistral (without sliding windows), Qwen2/Qwen2.5
-(biases on q/k/v), Qwen3 (RMSNorm of each query and key head, explicit ``head_dim``). Both config layouts
+(biases on q/k/v), Qwen3 (RMSNorm of each query and key head, explicit ``head_dim``), and the
+Mixture-of-Experts families Qwen3-MoE (``Qwen3MoeForCausalLM``), Mixtral and Qwen2-MoE (a shared expert
+with a sigmoid gate); DeepSeek-V3 and GPT-OSS are refused naming the field we cannot reproduce. Both config layouts
 are read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``). Options that the
 Megatron model cannot reproduce exactly are refused with an error that names the field, instead of
 converting into a model that computes something else.
@@ -40,8 +42,19 @@ HF_FAMILIES = {
     "mistral": _Family("MistralForCausalLM"),
     "qwen2": _Family("Qwen2ForCausalLM", qkv_bias=True),
     "qwen3": _Family("Qwen3ForCausalLM", qk_norm=True),
+    "qwen3_moe": _Family("Qwen3MoeForCausalLM", qk_norm=True),
+    "mixtral": _Family("MixtralForCausalLM"),
+    "qwen2_moe": _Family("Qwen2MoeForCausalLM", qkv_bias=True),
 }
 """HF ``model_type`` -> architecture class and attention options."""
+
+_REFUSED = {
+    "deepseek_v3": ("kv_lora_rank", "its multi-head latent attention (kv_lora_rank={}) and grouped, node-limited "
+                    "routing are not in our layer spec"),
+    "gpt_oss": ("sliding_window", "its learned attention sinks and alternating sliding windows (sliding_window={}) "
+                "are not in our layer spec"),
+}  # fmt: skip
+"""MoE families people ask for that do not convert exactly: the field, and why."""
 
 # Megatron's Llama-3 RoPE scaling fixes these (megatron.core RotaryEmbedding._apply_scaling defaults).
 _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
@@ -82,6 +95,10 @@ def _rope(config: dict) -> tuple[float, float | None]:
 def shape_from_hf_config(config: dict) -> ModelShape:
     """The `ModelShape` of a Hugging Face decoder config; unsupported options raise ValueError."""
     model_type = config.get("model_type")
+    if model_type in _REFUSED:
+        field, why = _REFUSED[model_type]
+        raise _refuse("model_type", model_type, why.format(config.get(field)) + "; use a Qwen3-MoE, Mixtral or "
+                      "Qwen2-MoE checkpoint.")  # fmt: skip
     if model_type not in HF_FAMILIES:
         raise ValueError(
             f"config.json: model_type={model_type!r} (architectures {config.get('architectures')}) is not a family "
@@ -95,13 +112,14 @@ def shape_from_hf_config(config: dict) -> ModelShape:
     if config.get("attention_bias") and not family.qkv_bias:
         raise _refuse("attention_bias", True, f"{model_type} would also need an o_proj bias.")
     window = config.get("sliding_window")
-    if window is not None and (model_type == "mistral" or config.get("use_sliding_window")):
+    if window is not None and (model_type in ("mistral", "mixtral") or config.get("use_sliding_window")):
         raise _refuse("sliding_window", window, "sliding-window attention is not implemented; use a model without it.")
     theta, scaling = _rope(config)
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim")
+    layers = int(config["num_hidden_layers"])
     return ModelShape(
-        num_layers=int(config["num_hidden_layers"]),
+        num_layers=layers,
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=int(config.get("num_key_value_heads") or heads),
@@ -119,7 +137,29 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         qk_norm=family.qk_norm,
         tie_embeddings=bool(config.get("tie_word_embeddings", False)),
         family=model_type,
+        **_moe_fields(config, model_type, layers),
     )
+
+
+def _moe_fields(config: dict, model_type: str, layers: int) -> dict:
+    """The `ModelShape` MoE fields of a Qwen3-MoE, Mixtral or Qwen2-MoE config ({} for dense families)."""
+    if model_type not in ("qwen3_moe", "mixtral", "qwen2_moe"):
+        return {}
+    if float(config.get("router_jitter_noise") or 0.0):
+        raise _refuse("router_jitter_noise", config["router_jitter_noise"], "routing with noise is not deterministic.")
+    experts = int(config.get("num_experts") or config.get("num_local_experts"))
+    fields = dict(num_experts=experts, moe_router_topk=int(config["num_experts_per_tok"]),
+                  moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)))  # fmt: skip
+    if model_type == "mixtral":  # every layer is MoE, experts of intermediate_size, top-k renormalized
+        return {**fields, "moe_ffn_hidden_size": int(config["intermediate_size"]), "moe_router_topk_norm": True}
+    step = int(config.get("decoder_sparse_step", 1))
+    dense = sorted(set(config.get("mlp_only_layers") or []) | {i for i in range(layers) if (i + 1) % step})
+    fields.update(moe_ffn_hidden_size=int(config["moe_intermediate_size"]), moe_dense_layers=tuple(dense),
+                  moe_router_topk_norm=bool(config.get("norm_topk_prob", False)))  # fmt: skip
+    if model_type == "qwen2_moe" and config.get("shared_expert_intermediate_size"):
+        shared = int(config["shared_expert_intermediate_size"])
+        fields.update(moe_shared_expert_size=shared, moe_shared_expert_gate=True)
+    return fields
 
 
 def hf_config_from_shape(shape: ModelShape, *, dtype: str = "bfloat16", extra: dict | None = None) -> dict:
@@ -154,11 +194,28 @@ def hf_config_from_shape(shape: ModelShape, *, dtype: str = "bfloat16", extra: d
         torch_dtype=dtype,  # transformers 4 reads this key, transformers 5 "dtype": one value, the tensors'
         dtype=dtype,
     )
-    if shape.family in ("llama", "qwen3"):
+    if shape.family in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = shape.qkv_bias
-    if shape.family == "mistral":
+    if shape.family in ("mistral", "mixtral"):
         config["sliding_window"] = None
+    config.update(_hf_moe_fields(shape))
     return config
+
+
+def _hf_moe_fields(shape: ModelShape) -> dict:
+    """The config.json MoE keys of a Qwen3-MoE, Mixtral or Qwen2-MoE shape ({} for dense families)."""
+    if shape.family not in ("qwen3_moe", "mixtral", "qwen2_moe"):
+        return {}
+    fields = {"num_experts_per_tok": shape.moe_router_topk, "router_aux_loss_coef": shape.moe_aux_loss_coeff}
+    if shape.family == "mixtral":
+        if shape.expert_size != shape.ffn_size or not shape.moe_router_topk_norm or shape.moe_dense_layers:
+            raise ValueError("a Mixtral config has experts of intermediate_size in every layer, top-k renormalized.")
+        return {**fields, "num_local_experts": shape.num_experts, "router_jitter_noise": 0.0}
+    fields.update(num_experts=shape.num_experts, moe_intermediate_size=shape.expert_size, decoder_sparse_step=1,
+                  mlp_only_layers=list(shape.moe_dense_layers), norm_topk_prob=shape.moe_router_topk_norm)  # fmt: skip
+    if shape.family == "qwen2_moe":
+        fields["shared_expert_intermediate_size"] = shape.moe_shared_expert_size or 0
+    return fields
 
 
 def check_output_folder(out: str | Path, *, overwrite: bool) -> None:

@@ -28,6 +28,9 @@ class ParallelLayout:
         cp: context-parallel size; > 1 cuts every sequence into 2*cp load-balanced chunks.
         dp: data-parallel size (replicas of the model; with CP, DP x CP ranks share the gradient reduction).
         sequence_parallel: Megatron sequence parallelism (splits each CP shard's tokens over TP ranks).
+        ep: expert-parallel size (Mixture-of-Experts): the experts of each layer are split over ``ep`` of
+            the DP x CP ranks of one TP/PP position (Megatron's expert grid: expert TP = tp, so
+            ``dp * cp = ep * expert-data-parallel``); attention and dense layers are unchanged.
     """
 
     tp: int = 1
@@ -35,16 +38,22 @@ class ParallelLayout:
     cp: int = 1
     dp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp", "dp"):
+        for name in ("tp", "pp", "cp", "dp", "ep"):
             require_positive_int(name, getattr(self, name))
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=true needs tp > 1 (it splits tokens over TP ranks).")
+        if (self.dp * self.cp) % self.ep:
+            raise ValueError(
+                f"ep={self.ep} must divide dp x cp = {self.dp} x {self.cp}: expert parallelism splits the experts "
+                "over the data- and context-parallel ranks of each TP/PP position. Launch more ranks or lower ep."
+            )
 
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                  keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
+                  ep: int = 1, keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
         """The layout of ``world_size`` ranks (DP is what remains); an error names ``keys`` (the caller's
         spelling of tp, pp and cp) when the world does not factor."""
         model_parallel = tp * pp * cp
@@ -53,7 +62,7 @@ class ParallelLayout:
                 f"World size {world_size} does not factor into {keys} x DP = {tp} x {pp} x {cp} x DP. Launch a "
                 f"multiple of {model_parallel} ranks, or change the sizes."
             )
-        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, sequence_parallel=sequence_parallel)
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, sequence_parallel=sequence_parallel, ep=ep)
 
     @property
     def model_parallel_size(self) -> int:
@@ -85,6 +94,19 @@ class ParallelLayout:
                     f"{key}={heads} heads cannot be split over parallel.tp={self.tp}: every tensor-parallel rank "
                     f"holds whole heads. Use a TP size that divides {heads}."
                 )
+
+    def check_experts(self, num_experts: int | None) -> None:
+        """Every expert-parallel rank holds whole experts; ep > 1 needs a Mixture-of-Experts model."""
+        if num_experts is None:
+            if self.ep > 1:
+                raise ValueError(f"parallel.ep={self.ep} splits experts, but the model is dense (model.num_experts "
+                                 "is not set): use parallel.ep=1.")  # fmt: skip
+            return
+        if num_experts % self.ep:
+            raise ValueError(
+                f"model.num_experts={num_experts} cannot be split over parallel.ep={self.ep}: every expert-parallel "
+                f"rank holds whole experts. Use an ep that divides {num_experts}."
+            )
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,11 +11,14 @@ from dataclasses import asdict, dataclass
 
 from ..validators import require_choice, require_positive_int, require_positive_number
 
-__all__ = ["FAMILIES", "NORMALIZATIONS", "ModelShape"]
+__all__ = ["FAMILIES", "MOE_LOAD_BALANCING", "MOE_SCORES", "NORMALIZATIONS", "ModelShape"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 """``gpt``: Megatron's defaults (biases on every linear); the others are Hugging Face model types."""
+MOE_SCORES = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING = ("seq_aux_loss", "global_aux_loss", "aux_loss", "none")
+"""Megatron's names: per sequence, per global batch, per micro-batch (not split-invariant), or none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +47,23 @@ class ModelShape:
         qk_norm: RMSNorm of each query and key head (Qwen3).
         tie_embeddings: the output layer shares the input embedding.
         family: ``gpt`` or the Hugging Face model type this shape came from (import/export use it).
+
+    Mixture-of-Experts (all unused while ``num_experts`` is None, a dense model):
+        num_experts: routed experts of each MoE layer (HF ``num_experts`` / ``num_local_experts``).
+        moe_router_topk: experts each token is routed to (HF ``num_experts_per_tok``).
+        moe_ffn_hidden_size: each expert's gated-MLP width; None means ffn_hidden_size (Mixtral).
+        moe_shared_expert_size: width of the shared expert every token also passes (Qwen2-MoE's
+            ``shared_expert_intermediate_size``); None for none.
+        moe_shared_expert_gate: the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE).
+        moe_dense_layers: layers (0-based) with a dense MLP of ffn_hidden_size instead of experts (HF
+            ``mlp_only_layers`` and ``decoder_sparse_step``).
+        moe_router_score: ``softmax`` or ``sigmoid`` of the router logits.
+        moe_router_topk_norm: renormalize the top-k scores to sum to 1 (HF ``norm_topk_prob``; Mixtral
+            always); False keeps the softmax over all experts (Qwen2-MoE's default).
+        moe_router_expert_bias: a per-expert bias on the routing scores (aux-loss-free balancing).
+        moe_load_balancing: the balance loss (`MOE_LOAD_BALANCING`).
+        moe_aux_loss_coeff: its coefficient (HF ``router_aux_loss_coef``).
+        moe_z_loss_coeff: the router z-loss coefficient; 0 for none.
     """
 
     num_layers: int = 2
@@ -64,8 +84,21 @@ class ModelShape:
     qk_norm: bool = False
     tie_embeddings: bool = False
     family: str = "gpt"
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None
+    moe_shared_expert_size: int | None = None
+    moe_shared_expert_gate: bool = False
+    moe_dense_layers: tuple[int, ...] = ()
+    moe_router_score: str = "softmax"
+    moe_router_topk_norm: bool = True
+    moe_router_expert_bias: bool = False
+    moe_load_balancing: str = "seq_aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
     def __post_init__(self):
+        object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))  # Hydra gives a list
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
             require_positive_int(f"model.{name}", getattr(self, name))
         for name in ("num_query_groups", "ffn_hidden_size", "head_dim"):
@@ -86,6 +119,45 @@ class ModelShape:
         require_positive_number("model.rotary_base", self.rotary_base)
         if self.rope_scaling_factor is not None:
             require_positive_number("model.rope_scaling_factor", self.rope_scaling_factor)
+        self._check_moe()
+
+    def _check_moe(self) -> None:
+        require_positive_int("model.num_experts", self.num_experts, allow_none=True)
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_size"):
+            require_positive_int(f"model.{name}", getattr(self, name), allow_none=True)
+        require_choice("model.moe_router_score", self.moe_router_score, MOE_SCORES)
+        require_choice("model.moe_load_balancing", self.moe_load_balancing, MOE_LOAD_BALANCING)
+        for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0 (0 turns it off).")
+        if self.num_experts is None:
+            moe_set = [k for k in ("moe_ffn_hidden_size", "moe_shared_expert_size") if getattr(self, k) is not None]
+            if moe_set or self.moe_dense_layers or self.moe_shared_expert_gate:
+                raise ValueError(f"model.{(moe_set or ['moe_dense_layers'])[0]} is set but model.num_experts is not: "
+                                 "set model.num_experts for a Mixture-of-Experts model.")  # fmt: skip
+            return
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"model.moe_router_topk={self.moe_router_topk} must be between 1 and model.num_experts="
+                             f"{self.num_experts}.")  # fmt: skip
+        bad = [i for i in self.moe_dense_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad:
+            raise ValueError(f"model.moe_dense_layers holds {bad}; layers are 0 to {self.num_layers - 1}.")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
+            raise ValueError("model.moe_shared_expert_gate needs a shared expert: set model.moe_shared_expert_size.")
+        if not self.gated_mlp:
+            raise ValueError("Mixture-of-Experts shapes use gated (SwiGLU) experts: set model.gated_mlp=true.")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts is not None
+
+    def moe_layers(self) -> list[bool]:
+        """Per layer: True where the MLP is the experts (every layer but `moe_dense_layers` in a MoE)."""
+        return [self.is_moe and i not in self.moe_dense_layers for i in range(self.num_layers)]
+
+    @property
+    def expert_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_size
 
     @property
     def kv_heads(self) -> int:
@@ -99,21 +171,33 @@ class ModelShape:
     def ffn_size(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
-    def num_parameters(self) -> int:
-        """Parameters of the unpadded model (embeddings once when tied), as the checkpoint counts them."""
-        h, hd, f = self.hidden_size, self.head_size, self.ffn_size
+    def num_parameters(self, *, active: bool = False) -> int:
+        """Parameters of the unpadded model (embeddings once when tied), as the checkpoint counts them;
+        ``active``: those one token uses (its ``moe_router_topk`` experts instead of all of them)."""
+        h, hd = self.hidden_size, self.head_size
         q, kv = self.num_attention_heads * hd, self.kv_heads * hd
         attention = h * (q + 2 * kv) + q * h
         if self.qkv_bias or self.linear_bias:
             attention += q + 2 * kv
-        mlp = (3 if self.gated_mlp else 2) * h * f
         if self.linear_bias:
             attention += h
-            mlp += ((2 if self.gated_mlp else 1) * f) + h
         norm = h if self.normalization == "RMSNorm" else 2 * h
-        layer = attention + mlp + 2 * norm + (2 * hd if self.qk_norm else 0)
+        layer = attention + 2 * norm + (2 * hd if self.qk_norm else 0)
+        mlps = sum(self._mlp_parameters(moe, active) for moe in self.moe_layers())
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        return self.num_layers * layer + embeddings + norm
+        return self.num_layers * layer + mlps + embeddings + norm
+
+    def _mlp_parameters(self, moe: bool, active: bool) -> int:
+        h = self.hidden_size
+        if not moe:
+            f = self.ffn_size
+            mlp = (3 if self.gated_mlp else 2) * h * f
+            return mlp + (((2 if self.gated_mlp else 1) * f) + h if self.linear_bias else 0)
+        experts = self.moe_router_topk if active else self.num_experts
+        mlp = experts * 3 * h * self.expert_size + h * self.num_experts  # experts and the router
+        if self.moe_shared_expert_size:
+            mlp += 3 * h * self.moe_shared_expert_size + (h if self.moe_shared_expert_gate else 0)
+        return mlp
 
     def to_dict(self) -> dict:
         return asdict(self)
