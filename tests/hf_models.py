@@ -43,7 +43,16 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0)),  # q/k norms; head_dim != hidden/heads
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
     "mistral": ("MistralConfig", dict(sliding_window=None)),
-}
+    # Mixture-of-Experts: 4 experts, top-2; Qwen3-MoE with a dense second layer, Qwen2-MoE with its gated
+    # shared expert and softmax-then-top-k (no renormalization).
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[1])),
+    "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                                      rope_theta=1000000.0)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=80, norm_topk_prob=False,
+                                         rope_theta=1000000.0)),
+}  # fmt: skip
 
 
 def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:

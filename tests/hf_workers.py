@@ -7,17 +7,23 @@ import torch
 from .megatron_workers import init_megatron
 
 
-def _build(folder, tp, pp, patch=None):
+def _build(folder, tp, pp, patch=None, ep=1, sp=False):
+    import dataclasses
+
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from mcore_packing.megatron import build_gpt_model, cpu_device_adapter, hf_weights
     from mcore_packing.planning import ParallelLayout
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
-    init_megatron(tp=tp, pp=pp)
+    init_megatron(tp=tp, pp=pp, ep=ep)
     shape = shape_from_hf_config(read_hf_config(folder))
+    if patch == "flip_topk_norm":  # negative control: the other routing normalization
+        shape = dataclasses.replace(shape, moe_router_topk_norm=not shape.moe_router_topk_norm)
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
     with cpu_device_adapter():
-        model, _ = build_gpt_model(shape, ParallelLayout(tp=tp, pp=pp), attention_backend="local")
+        model, _ = build_gpt_model(shape, layout, attention_backend="local")
     if patch == "swap_gate_up":  # negative control: [up; gate] instead of [gate; up]
         kind, names = hf_weights._PER_LAYER["mlp.linear_fc1.weight"]
         hf_weights._PER_LAYER["mlp.linear_fc1.weight"] = (kind, names[::-1])
@@ -25,13 +31,14 @@ def _build(folder, tp, pp, patch=None):
     import time
 
     start = time.perf_counter()
-    stats = hf_weights.load_hf_weights(model, shape, folder, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp)
+    stats = hf_weights.load_hf_weights(model, shape, folder, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+                                       ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)  # fmt: skip
     stats["seconds"] = time.perf_counter() - start
     stats["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return model, shape, stats
 
 
-def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
+def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False):
     """Full-vocabulary logits per sequence (one forward each, and one packed THD forward; PP=1), and
     next-token log-probs of every sequence through Megatron's schedule from packed micro-batches."""
     import torch.distributed as dist
@@ -41,7 +48,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
 
-    model, shape, stats = _build(folder, tp, pp, patch)
+    model, shape, stats = _build(folder, tp, pp, patch, ep, sp)
     module = model.module
     out = {"stats": stats}
 
@@ -52,16 +59,22 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None):
 
     with cpu_device_adapter(), torch.no_grad():
         if pp == 1:
-            out["alone"] = [
-                full_vocab(module(torch.tensor([s]), torch.arange(len(s))[None], None)[0]) for s in sequences
-            ]
-            batch = build_packed_batch([SequenceSample(s) for s in sequences], PaddingRule(tp_size=tp))
+            if not sp:  # (sequence parallelism needs rows padded to a TP multiple: the packed forward below)
+                out["alone"] = [
+                    full_vocab(module(torch.tensor([s]), torch.arange(len(s))[None], None)[0]) for s in sequences
+                ]
+            rule = PaddingRule(tp_size=tp, sequence_parallel=sp)
+            batch = build_packed_batch([SequenceSample(s) for s in sequences], rule)
             params = to_packed_seq_params(batch)
-            packed = full_vocab(module(batch.tokens, batch.position_ids, None, packed_seq_params=params)[0])
+            packed = module(batch.tokens, batch.position_ids, None, packed_seq_params=params)[0]
+            if sp:  # the output layer gathers the sequence-parallel shards: [t, 1, V/tp] -> [t, V/tp]
+                packed = packed.reshape(-1, packed.shape[-1])
+            packed = full_vocab(packed)
             starts = batch.cu_seqlens_padded.tolist()
             out["packed"] = [packed[a : a + len(s)] for a, s in zip(starts, sequences, strict=False)]
         lengths = [len(s) for s in sequences]
-        config = StepPlanConfig(train_mb_tokens=64, layout=ParallelLayout(tp=tp, pp=pp))
+        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
+        config = StepPlanConfig(train_mb_tokens=64, layout=layout)
         plan = plan_step(lengths, config, forward_only=True)
         samples = [SequenceSample(s) for s in sequences]
         out["logprobs"] = compute_logprobs(model, samples, plan, ProcessGroups.from_megatron())

@@ -132,16 +132,18 @@ def test_the_moe_cost_model_counts_the_routed_experts_by_hand():
 
 
 def test_expert_parallelism_is_a_layout_dimension():
-    layout = ParallelLayout.for_world(8, tp=2, ep=4)
+    layout = ParallelLayout.for_world(8, tp=2, ep=4, sequence_parallel=True)
     assert (layout.dp, layout.ep) == (4, 4)
     layout.check_experts(8)
+    with pytest.raises(ValueError, match=r"needs parallel\.sequence_parallel=true"):
+        ParallelLayout.for_world(8, tp=2, ep=4).check_experts(8)  # Megatron's MoE under TP needs SP
     with pytest.raises(ValueError, match="ep=4 must divide dp x cp = 1 x 2"):
         ParallelLayout.for_world(4, tp=2, cp=2, ep=4)
     with pytest.raises(ValueError, match=r"model\.num_experts=6 cannot be split over parallel\.ep=4"):
         layout.check_experts(6)
     with pytest.raises(ValueError, match="the model is dense"):
         layout.check_experts(None)
-    ParallelLayout.for_world(4, tp=2, cp=2, ep=2).check_experts(6)  # control: ep over DP x CP = 2
+    ParallelLayout.for_world(4, tp=2, cp=2, ep=2, sequence_parallel=True).check_experts(6)  # control: EP over DP x CP
 
 
 def test_moe_shape_settings_are_checked():

@@ -55,13 +55,47 @@ _TOP = {
 }
 
 
-def hf_names(name: str, global_layer: int | None, shape: ModelShape) -> tuple[str, list[str]]:
-    """(kind, HF tensor names) of a Megatron parameter; ``global_layer`` is its layer's 0-based global index."""
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_MOE_BLOCK = {"mixtral": "block_sparse_moe"}  # the HF module holding router and experts (others: mlp)
+_EXPERT_PROJ = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down (others: gate_proj, up_proj, down_proj)
+_SHARED = {
+    "mlp.router.weight": ("replicated", ["{block}.gate.weight"]),
+    "mlp.shared_experts.linear_fc1.weight": ("gate_up", ["mlp.shared_expert.gate_proj.weight",
+                                                         "mlp.shared_expert.up_proj.weight"]),
+    "mlp.shared_experts.linear_fc2.weight": ("columns", ["mlp.shared_expert.down_proj.weight"]),
+    "mlp.shared_experts.gate_weight": ("replicated", ["mlp.shared_expert_gate.weight"]),
+}  # fmt: skip
+"""Mixture-of-Experts parameters besides the routed experts: the router and Qwen2-MoE's shared expert."""
+
+
+def _moe_names(rest: str, shape: ModelShape, expert_offset: int) -> tuple[str, list[str]] | None:
+    """(kind, layer-relative HF names) of an MoE layer's parameter, or None when ``rest`` is not one. Local
+    expert ``j`` of this rank is global expert ``expert_offset + j``; experts cut over TP like a dense MLP."""
+    block = _MOE_BLOCK.get(shape.family, "mlp")
+    expert = _EXPERT.match(rest)
+    if expert:
+        gate, up, down = _EXPERT_PROJ.get(shape.family, ("gate_proj", "up_proj", "down_proj"))
+        prefix = f"{block}.experts.{expert_offset + int(expert.group(1))}"
+        if expert.group(2) == "linear_fc1":
+            return "gate_up", [f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight"]
+        return "columns", [f"{prefix}.{down}.weight"]
+    if rest in _SHARED:
+        kind, names = _SHARED[rest]
+        return kind, [n.format(block=block) for n in names]
+    return None
+
+
+def hf_names(name: str, global_layer: int | None, shape: ModelShape, expert_offset: int = 0) -> tuple[str, list[str]]:
+    """(kind, HF tensor names) of a Megatron parameter; ``global_layer`` is its layer's 0-based global index,
+    ``expert_offset`` the global index of this rank's first expert (expert parallelism)."""
     match = _LAYER.match(name)
     if match:
-        if match.group(2) not in _PER_LAYER:
+        found = _PER_LAYER.get(match.group(2))
+        if found is None and shape.is_moe:
+            found = _moe_names(match.group(2), shape, expert_offset)
+        if found is None:
             raise ValueError(f"Megatron parameter {name!r} has no Hugging Face counterpart in this converter.")
-        kind, names = _PER_LAYER[match.group(2)]
+        kind, names = found
         return kind, [f"model.layers.{global_layer}.{n}" for n in names]
     if name not in _TOP:
         raise ValueError(f"Megatron parameter {name!r} has no Hugging Face counterpart in this converter.")
@@ -151,10 +185,13 @@ def _read_rank_slice(hf: HFTensors, kind: str, names: list[str], cut: _Cut, shap
     return fused.reshape(-1, *rest)
 
 
-def load_hf_weights(model, shape: ModelShape, folder: str | Path, *, tp_rank: int, tp_size: int) -> dict:
+def load_hf_weights(
+    model, shape: ModelShape, folder: str | Path, *, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1
+) -> dict:
     """Copy the Hugging Face weights in ``folder`` into this rank's Megatron model chunk (unwrapped or
-    DDP-wrapped). Every parameter must be found with the expected shape, else a ValueError names the
-    tensor. Returns ``{"tensors_read": n, "bytes_read": b}``."""
+    DDP-wrapped); with expert parallelism only this rank's experts are read. Every parameter must be found
+    with the expected shape, else a ValueError names the tensor. Returns ``{"tensors_read": n,
+    "bytes_read": b}``."""
     from .model import padded_vocab_size
 
     module = getattr(model, "module", model)
@@ -165,7 +202,8 @@ def load_hf_weights(model, shape: ModelShape, folder: str | Path, *, tp_rank: in
     with torch.no_grad():
         for name, param in module.named_parameters():
             prefix = next((p for p in layer_number if name.startswith(p)), None)
-            kind, names = hf_names(name, layer_number.get(prefix), shape)
+            offset = ep_rank * (shape.num_experts // ep_size) if shape.is_moe else 0
+            kind, names = hf_names(name, layer_number.get(prefix), shape, offset)
             missing = [n for n in names if n not in hf.weight_map]
             if missing:
                 raise ValueError(

@@ -61,7 +61,12 @@ def resolve_attention_backend(backend: str = "auto") -> str:
 
 
 def get_packed_gpt_layer_spec(
-    backend: str = "auto", *, normalization: str | None = None, qk_layernorm: bool = False, attention: str = "auto"
+    backend: str = "auto",
+    *,
+    normalization: str | None = None,
+    qk_layernorm: bool = False,
+    attention: str = "auto",
+    num_experts: int | None = None,
 ):
     """A transformer-layer ``ModuleSpec`` for ``GPTModel`` that handles ``PackedSeqParams``.
 
@@ -71,6 +76,8 @@ def get_packed_gpt_layer_spec(
         normalization: ``"LayerNorm"`` or ``"RMSNorm"`` (local spec).
         qk_layernorm: normalize queries and keys.
         attention: `PackedCoreAttention` backend (``auto``, ``sdpa``, ``varlen``) for the local spec.
+        num_experts: a Mixture-of-Experts layer (Megatron's MoE layer: top-k router, all-to-all token
+            dispatcher, ``SequentialMLP`` experts and shared experts of local linears) instead of the MLP.
     """
     require_megatron()
     from megatron.core.models.gpt import gpt_layer_specs
@@ -79,9 +86,13 @@ def get_packed_gpt_layer_spec(
     from .attention import PackedCoreAttention
 
     if resolve_attention_backend(backend) == "te":
-        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, qk_layernorm=qk_layernorm
+        )
     spec = copy.deepcopy(
-        gpt_layer_specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+        gpt_layer_specs.get_gpt_layer_local_spec(
+            num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization, qk_layernorm=qk_layernorm
+        )
     )
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=PackedCoreAttention, params={"backend": attention}
@@ -109,12 +120,22 @@ def get_packed_gpt_block_spec(config, backend: str = "auto", *, vp_stage: int | 
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True, vp_stage=vp_stage)
-    layer = get_packed_gpt_layer_spec(
-        "local",
-        normalization=normalization,
-        qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
-        attention=attention,
-    )
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    def layer(num_experts):
+        return get_packed_gpt_layer_spec("local", normalization=normalization, attention=attention,
+                                         qk_layernorm=bool(getattr(config, "qk_layernorm", False)),
+                                         num_experts=num_experts)  # fmt: skip
+
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    experts = getattr(config, "num_moe_experts", None)
+    if experts:  # this stage's layers, each an MoE or a dense layer as config.moe_layer_freq says
+        offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        pattern = config.moe_layer_freq if isinstance(config.moe_layer_freq, list) else None
+        is_moe = [pattern[offset + i] if pattern else (offset + i) % config.moe_layer_freq == 0
+                  for i in range(num_layers)]  # fmt: skip
+        specs = [layer(experts) if moe else layer(None) for moe in is_moe]
+    else:
+        specs = [layer(None)] * num_layers
     norm = LocalRMSNorm if normalization == "RMSNorm" else LocalLayerNorm
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=norm)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=norm)

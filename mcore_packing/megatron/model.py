@@ -15,7 +15,7 @@ from ..compat import require_megatron
 from ..planning.layout import SINGLE_RANK, ParallelLayout
 from ..planning.model_shape import ModelShape
 
-__all__ = ["build_gpt_model", "initialize_parallel", "padded_vocab_size", "transformer_config"]
+__all__ = ["build_gpt_model", "initialize_parallel", "moe_config", "padded_vocab_size", "transformer_config"]
 
 
 def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 1234) -> None:
@@ -27,7 +27,10 @@ def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 123
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp, context_parallel_size=layout.cp
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
     )
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
@@ -43,14 +46,13 @@ def transformer_config(
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    if shape.is_moe:  # never a dense model in place of the experts
-        raise ValueError(f"shape has num_experts={shape.num_experts}: the packed Mixture-of-Experts layer is not "
-                         "built in this version; MoE shapes are for planning and config conversion.")  # fmt: skip
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
     if shape.gated_mlp:
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
     tp = layout.tp
     layout.check_heads(shape.num_attention_heads, shape.kv_heads)
+    layout.check_experts(shape.num_experts)
+    extra.update(moe_config(shape, layout))
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -76,6 +78,34 @@ def transformer_config(
         attention_dropout=0.0,
         variable_seq_lengths=variable_seq_lengths,
         **extra,
+    )
+
+
+def moe_config(shape: ModelShape, layout: ParallelLayout) -> dict:
+    """The ``TransformerConfig`` fields of a Mixture-of-Experts shape ({} for a dense one): dropless top-k
+    routing in fp32 (no capacity factor: every token reaches its k experts whatever the batch split), the
+    all-to-all dispatcher, experts split over ``layout.ep`` ranks (expert TP = TP), per-layer MoE/dense
+    pattern. A softmax router with top-k renormalization is Megatron's top-k-then-softmax; without it,
+    softmax-then-top-k (``moe_router_pre_softmax``)."""
+    if not shape.is_moe:
+        return {}
+    return dict(
+        num_moe_experts=shape.num_experts,
+        moe_router_topk=shape.moe_router_topk,
+        moe_ffn_hidden_size=shape.expert_size,
+        moe_shared_expert_intermediate_size=shape.moe_shared_expert_size,
+        moe_shared_expert_gate=shape.moe_shared_expert_gate,
+        moe_layer_freq=[int(moe) for moe in shape.moe_layers()],
+        moe_router_score_function=shape.moe_router_score,
+        moe_router_pre_softmax=shape.moe_router_score == "softmax" and not shape.moe_router_topk_norm,
+        moe_router_enable_expert_bias=shape.moe_router_expert_bias,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type=shape.moe_load_balancing if shape.moe_aux_loss_coeff else "none",
+        moe_aux_loss_coeff=shape.moe_aux_loss_coeff,
+        moe_z_loss_coeff=shape.moe_z_loss_coeff or None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        expert_model_parallel_size=layout.ep,
     )
 
 
@@ -132,6 +162,10 @@ def build_gpt_model(
     from .process_groups import ProcessGroups, group_rank
 
     pgs = process_groups or ProcessGroups.from_megatron()
+    if shape.is_moe:
+        from ._patches.moe_without_te import define_missing_te_gemm
+
+        define_missing_te_gemm()
 
     tp = layout.tp
     config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype)

@@ -102,6 +102,11 @@ class ParallelLayout:
                 raise ValueError(f"parallel.ep={self.ep} splits experts, but the model is dense (model.num_experts "
                                  "is not set): use parallel.ep=1.")  # fmt: skip
             return
+        if self.tp > 1 and not self.sequence_parallel:
+            raise ValueError(
+                f"a Mixture-of-Experts model at parallel.tp={self.tp} needs parallel.sequence_parallel=true: "
+                "Megatron's MoE layer dispatches each TP rank's own share of the tokens."
+            )
         if num_experts % self.ep:
             raise ValueError(
                 f"model.num_experts={num_experts} cannot be split over parallel.ep={self.ep}: every expert-parallel "

@@ -6,6 +6,9 @@ megatron-core versions it applies to and pinned by a test.
   ``torch.Tensor.cuda`` and ``torch.Tensor.type`` (their answers differ only for calls from those
   modules). CPU-only machines; its call sites are pinned per megatron-core version by the tests that run
   it (test_step_equivalence.py, test_checkpoint.py, test_megatron_packed.py).
+- `moe_without_te`: the MoE router's gating GEMM names ``te_general_gemm``, undefined without
+  TransformerEngine; `define_missing_te_gemm()` defines it as None (the no-TE path). Pinned by source
+  hash (tests/test_patches.py).
 - `torch_adam_load`: two load bugs of the distributed optimizer on torch's Adam (no TE/Apex): KeyError
   'step', and one step tensor shared by every parameter. `TORCH_ADAM_LOAD.versions`; its call sites are
   pinned by source hash (tests/test_patches.py).
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ...compat import megatron_core_version
 
-__all__ = ["PATCHES", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
+__all__ = ["MOE_WITHOUT_TE", "PATCHES", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -74,5 +77,18 @@ TORCH_ADAM_LOAD = Patch(
     },
 )  # fmt: skip
 
-PATCHES = (TORCH_ADAM_LOAD,)
+MOE_WITHOUT_TE = Patch(
+    name="moe_without_te",
+    what="the MoE router's gating GEMM reads the name te_general_gemm, defined only when TransformerEngine "
+    "imports (NameError without TE); defined as None, which the code already treats as 'no TE GEMM'",
+    versions=((0, 16), (0, 20)),
+    verified={
+        "0.16.1": {
+            "megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.forward": "dcba4f9f02b30a36",
+            "megatron.core.transformer.moe.moe_utils:RouterGatingLinearFunction.backward": "222f6d592730bd28",
+        },
+    },
+)  # fmt: skip
+
+PATCHES = (TORCH_ADAM_LOAD, MOE_WITHOUT_TE)
 """The patches with pinned call sites (the CPU adapter pins its call sites through the tests that run it)."""

@@ -4,7 +4,15 @@ Megatron hard-codes CUDA in a few places on the training path (megatron-core 0.1
 with ``device="cuda"`` or ``torch.cuda.current_device()`` in the pipeline schedules and p2p
 communication, ``torch.cuda.synchronize()``, RoPE moving ``inv_freq`` to the current CUDA device,
 buffers in tensor-parallel layers, mappings, ``utils.GlobalMemoryBuffer`` and the DDP grad buffers, the
-optimizers' scalars (found-inf flag, loss scale, clipping), and dist_checkpointing's save finalization.
+optimizers' scalars (found-inf flag, loss scale, clipping), dist_checkpointing's save finalization, and
+in Mixture-of-Experts layers the router moving its weight to ``torch.cuda.current_device()``, the
+token dispatcher's and shared experts' ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` (one
+host stream here: a CPU runs in order), the auxiliary-loss tracker's ``device="cuda"``, and the
+dispatcher's device-to-host copy of its all-to-all split sizes (``maybe_move_tensor_to_cpu``, replaced
+while active: on a CPU the sizes stayed tensors, which gloo refuses), and, under TP x EP, the uneven
+all-gather and reduce-scatter of expert tokens (``mappings._gather_along_first_dim`` /
+``_reduce_scatter_along_first_dim`` with split sizes, which gloo cannot do: padded to even, or an
+all-reduce and a slice; exact either way).
 
 The adapter replaces the module-global name ``torch`` inside exactly those Megatron modules with a proxy:
 tensor factories given a CUDA (or integer) device allocate on the CPU, ``torch.cuda.current_device()``
@@ -51,8 +59,20 @@ PATCHED_MODULES = (
     "megatron.core.optimizer.grad_scaler",
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.experts",
+    "megatron.core.transformer.moe.shared_experts",
 )
 """Megatron modules whose ``torch`` global is redirected while the adapter is active."""
+
+_REPLACED_FUNCTIONS = (
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
+    ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"),
+)
+"""Module-level functions replaced while the adapter is active (restored by ``uninstall``)."""
 
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "ones_like", "empty_like")
 _CPU = torch.device("cpu")
@@ -75,6 +95,40 @@ class _HostTensor(torch.Tensor):
         return self.as_subclass(torch.Tensor)
 
 
+class _HostEvent:
+    """A CUDA event on the CPU: everything before it has already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class _HostStream:
+    """The one stream of a CPU: work runs in order, so waiting and recording are no-ops. ``Stream()`` and
+    ``current_stream()`` both answer it, so Megatron's MoE dispatcher sees no side stream (and does not
+    call ``Tensor.record_stream``, which CPU tensors lack)."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def wait_event(self, event) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def record_event(self, event=None) -> _HostEvent:
+        return event or _HostEvent()
+
+
+_HOST_STREAM = _HostStream()
+
+
 class _CudaProxy:
     def __init__(self, adapter: CpuDeviceAdapter, module: str):
         self._adapter = adapter
@@ -86,6 +140,22 @@ class _CudaProxy:
 
     def synchronize(self, *args, **kwargs):
         self._adapter._record(self._module, "cuda.synchronize")
+
+    def Stream(self, *args, **kwargs):  # torch.cuda's name
+        self._adapter._record(self._module, "cuda.Stream")
+        return _HOST_STREAM
+
+    def current_stream(self, *args, **kwargs):
+        self._adapter._record(self._module, "cuda.current_stream")
+        return _HOST_STREAM
+
+    def stream(self, stream):
+        self._adapter._record(self._module, "cuda.stream")
+        return contextlib.nullcontext()
+
+    def Event(self, *args, **kwargs):  # torch.cuda's name
+        self._adapter._record(self._module, "cuda.Event")
+        return _HostEvent()
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)
@@ -153,6 +223,61 @@ class CpuDeviceAdapter:
         if "Tensor.type" not in self._saved:
             self._saved["Tensor.type"] = torch.Tensor.type
             torch.Tensor.type = self._tensor_type(torch.Tensor.type)
+        for module_name, function in _REPLACED_FUNCTIONS:
+            key = f"{module_name}:{function}"
+            if key not in self._saved:
+                module = importlib.import_module(module_name)
+                self._saved[key] = getattr(module, function)
+                setattr(module, function, getattr(self, f"_{function.strip('_')}")(self._saved[key], module_name))
+
+    def _gather_along_first_dim(self, original, module: str):
+        """Uneven all-gather (``output_split_sizes``: MoE tokens under TP x EP) as gloo can do it: every
+        piece padded to the largest, one even all-gather, the padding cut off. Even gathers are Megatron's."""
+        adapter = self
+
+        def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+            if output_split_sizes is None or group.size() == 1:
+                return original(input_, group, output_split_sizes, use_global_buffer)
+            adapter._record(module, "_gather_along_first_dim(uneven)")
+            sizes = [int(n) for n in output_split_sizes]
+            padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
+            padded[: input_.shape[0]] = input_
+            pieces = [torch.empty_like(padded) for _ in sizes]
+            torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+            return torch.cat([p[:n] for p, n in zip(pieces, sizes, strict=True)])
+
+        return gather
+
+    def _reduce_scatter_along_first_dim(self, original, module: str):
+        """Uneven reduce-scatter (``input_split_sizes``) as gloo can do it: an all-reduce of the whole
+        tensor, then this rank's rows (the same sums). Even reduce-scatters are Megatron's."""
+        adapter = self
+
+        def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+            if input_split_sizes is None or group.size() == 1:
+                return original(input_, group, input_split_sizes, use_global_buffer)
+            adapter._record(module, "_reduce_scatter_along_first_dim(uneven)")
+            total = input_.clone().contiguous()
+            torch.distributed.all_reduce(total, group=group)
+            sizes = [int(n) for n in input_split_sizes]
+            start = sum(sizes[: group.rank()])
+            return total[start : start + sizes[group.rank()]].contiguous()
+
+        return reduce_scatter
+
+    def _maybe_move_tensor_to_cpu(self, original, module: str):
+        """Megatron's MoE dispatcher copies its split sizes device-to-host as numpy arrays, but only when
+        they are CUDA tensors: on a CPU they stayed tensors, which gloo's ``all_to_all_single`` refuses as
+        split sizes. Here a CPU tensor asked for ``as_numpy`` becomes the numpy array it would have been."""
+        adapter = self
+
+        def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+            if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+                adapter._record(module, "maybe_move_tensor_to_cpu(as_numpy)")
+                return tensor.numpy()
+            return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+        return maybe_move_tensor_to_cpu
 
     def _tensor_cuda(self, original):
         adapter, modules = self, set(self.modules)
@@ -187,6 +312,9 @@ class CpuDeviceAdapter:
         for name, original in self._saved.items():
             if name in ("Tensor.cuda", "Tensor.type"):
                 setattr(torch.Tensor, name.split(".")[1], original)
+            elif ":" in name:
+                module_name, function = name.split(":")
+                setattr(sys.modules[module_name], function, original)
             else:
                 sys.modules[name].torch = original
         self._saved.clear()
