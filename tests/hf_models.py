@@ -114,11 +114,13 @@ def make_tokenizer(folder: Path, vocab_size: int) -> Path:
     return folder
 
 
-def make_chat_model(folder: Path, vocab_size: int = 384) -> Path:
-    """A tiny Qwen2 chat model: random weights of make_tiny's shape with a trained tokenizer."""
+def make_chat_model(folder: Path, vocab_size: int = 384, family: str = "qwen2") -> Path:
+    """A tiny chat model of ``family`` (Qwen2 by default; any of `FAMILIES`): random weights of make_tiny's
+    shape with a trained tokenizer."""
     import transformers
 
-    config = transformers.Qwen2Config(**{**BASE, "vocab_size": vocab_size}, rope_theta=1000000.0)
+    class_name, extra = FAMILIES[family]
+    config = getattr(transformers, class_name)(**{**BASE, "vocab_size": vocab_size}, **extra)
     torch.manual_seed(1)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return make_tokenizer(folder, vocab_size)

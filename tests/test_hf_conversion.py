@@ -135,7 +135,9 @@ def _merge(results, shape):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family, tp, pp", [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1)])
+@pytest.mark.parametrize(
+    "family, tp, pp", [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1), ("qwen3_moe", 1, 2), ("mixtral", 1, 1)]
+)
 def test_import_then_export_is_bit_exact(checkpoints, tmp_path, family, tp, pp):
     from safetensors.torch import load_file
 
@@ -164,7 +166,7 @@ def test_import_then_export_is_bit_exact(checkpoints, tmp_path, family, tp, pp):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe"])
 def test_after_a_packed_sft_step_the_export_loads_in_transformers(checkpoints, tmp_path, family):
     from mcore_packing.megatron.hf_folder import save_hf_folder
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config

@@ -1,7 +1,7 @@
 """Mixture-of-Experts shapes (#23, first part): HF config.json <-> `ModelShape` for Qwen3-MoE, Mixtral and
 Qwen2-MoE against transformers' own models (parameter counts and which layers are MoE), the refused
 families, the published parameter counts of the recipes, the MoE cost model by hand, expert parallelism
-in the layout, and the honest refusal to train an MoE model before its layer exists."""
+in the layout, and the refusal of a balance loss that is not yet exact when packed."""
 
 from __future__ import annotations
 
@@ -147,7 +147,7 @@ def test_expert_parallelism_is_a_layout_dimension():
 
 
 def test_moe_shape_settings_are_checked():
-    base = dict(num_layers=2, gated_mlp=True, num_experts=4)
+    base = dict(num_layers=2, gated_mlp=True, linear_bias=False, num_experts=4)
     with pytest.raises(ValueError, match=r"moe_router_topk=5 must be between 1 and model\.num_experts=4"):
         ModelShape(**base, moe_router_topk=5)
     with pytest.raises(ValueError, match="moe_dense_layers holds \\[2\\]"):
@@ -161,12 +161,15 @@ def test_moe_shape_settings_are_checked():
     assert ModelShape(**base, moe_dense_layers=[0]).moe_dense_layers == (0,)  # Hydra's lists become tuples
 
 
-def test_training_an_moe_model_is_refused_before_megatron_naming_the_key(tmp_path, capsys):
+def test_the_default_model_becomes_an_moe_with_its_keys_and_a_balance_loss_is_refused_by_name(tmp_path, capsys):
     from mcore_packing.app.train_command import main
 
-    moe = ["model.num_experts=4", "model.gated_mlp=true", f"run_dir={tmp_path}"]
-    assert main(["--dry-run", *moe]) == 0  # planned
+    moe = ["model.num_experts=4", "model.gated_mlp=true", "model.linear_bias=false", f"run_dir={tmp_path}"]
+    assert main(["--dry-run", *moe]) == 0
+    assert main(["--dry-run", "model.num_experts=4"]) == 2
+    assert "set model.gated_mlp=true model.linear_bias=false" in capsys.readouterr().err
     with pytest.raises(SystemExit) as stop:  # the Hydra path exits with the code
-        main(moe)
+        main([*moe, "model.moe_aux_loss_coeff=0.01"])
     assert stop.value.code == 2
-    assert "model.num_experts=4: Mixture-of-Experts models are planned" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "model.moe_aux_loss_coeff=0.01: the router's balance and z-losses are not yet exact" in err

@@ -67,8 +67,11 @@ def data_fingerprint(samples, extra: list | None = None) -> str:
 
 
 def _layout(layout) -> dict:
-    """The manifest's layout record (the keys format 2 wrote: tp, pp, cp, dp)."""
-    return {key: getattr(layout, key) for key in ("tp", "pp", "cp", "dp")}
+    """The manifest's layout record (the keys format 2 wrote: tp, pp, cp, dp; and ep when it is not 1)."""
+    record = {key: getattr(layout, key) for key in ("tp", "pp", "cp", "dp")}
+    if getattr(layout, "ep", 1) != 1:
+        record["ep"] = layout.ep
+    return record
 
 
 def read_manifest(folder: Path) -> dict:
@@ -270,6 +273,13 @@ class Checkpointer:
             for key, value in saved.items()
             if getattr(setup.shape, key) != value
         ]
+        saved_ep, ep = manifest["layout"].get("ep", 1), self.layout.get("ep", 1)
+        if setup.shape.is_moe and saved_ep != ep:
+            differences.append(
+                f"parallel.ep: checkpoint {saved_ep}, this run {ep} (Megatron groups an MoE model's optimizer "
+                "state by expert parallelism, so it resumes only at the checkpoint's parallel.ep; "
+                "or export the checkpoint and start from the Hugging Face folder)"
+            )
         if manifest["data_fingerprint"] != self.fingerprint:
             differences.append(
                 f"data: the checkpoint was trained on another data set (fingerprint {manifest['data_fingerprint']}, "

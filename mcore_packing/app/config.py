@@ -25,6 +25,7 @@ from ..data.sft import LONG_SAMPLE_POLICIES
 from ..losses import ClippedPGConfig
 from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
+from ..planning.model_shape import MOE_TRAINING_FIELDS
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import DPOConfig, GRPOConfig
 from ..validators import InvalidValue, require_choice, require_positive_int
@@ -96,9 +97,11 @@ def _shape(self, vocab_size: int) -> ModelShape:
     if self.hf_path is None:
         return self.declared_shape(vocab_size)
     try:
-        return shape_from_hf_config(read_hf_config(self.hf_path))
+        shape = shape_from_hf_config(read_hf_config(self.hf_path))
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"model.hf_path: {exc}") from None
+    # how to train it (the balance loss) is the run's, not the checkpoint's
+    return dataclasses.replace(shape, **{k: getattr(self, k) for k in MOE_TRAINING_FIELDS}) if shape.is_moe else shape
 
 
 def _model_config_class() -> type:

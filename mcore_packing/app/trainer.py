@@ -26,6 +26,7 @@ from pathlib import Path
 
 from ..planning import ModelShape, ParallelLayout, StepPlan, StepPlanConfig, plan_step
 from ..planning.hf_config import check_output_folder, check_safetensors
+from ..planning.model_shape import MOE_TRAINING_FIELDS
 from .algorithms import RunData, get_algorithm
 from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
 from .config import ConfigError, ModelConfig, TrainConfig, check_data_fits, plan_config, validate_layout
@@ -86,12 +87,13 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
         layout.check_experts(shape.num_experts)
     except ValueError as exc:
         raise ConfigError(str(exc), key="parallel.ep") from None
-    if shape.is_moe and not dry_run:
+    if shape.is_moe and (shape.moe_aux_loss_coeff or shape.moe_z_loss_coeff) and not dry_run:
+        key = "model.moe_aux_loss_coeff" if shape.moe_aux_loss_coeff else "model.moe_z_loss_coeff"
         raise ConfigError(
-            f"model.num_experts={shape.num_experts}: Mixture-of-Experts models are planned (plan, train --dry-run: "
-            "the MoE cost model, parameter counts, EP layout checks) and their configs convert, but this version "
-            "does not train them yet: the packed MoE layer with an exact per-sequence balance loss comes next.",
-            key="model.num_experts",
+            f"{key}={getattr(shape, key.split('.')[1])}: the router's balance and z-losses are not yet exact when "
+            "sequences are packed (Megatron computes them over the whole packed row), so this version trains "
+            f"MoE models without them: set {key}=0. The main loss and its gradients are exact (dropless routing).",
+            key=key,
         )
     if cfg.model.hf_path is not None:
         try:
@@ -117,7 +119,9 @@ def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
     declared = cfg.model.declared_shape(shape.vocab_size)
     unset = ModelConfig()
     for key, value in declared.to_dict().items():
-        if value != getattr(shape, key) and key != "family" and value != getattr(unset, key, None):
+        if key in MOE_TRAINING_FIELDS or key == "family" or value == getattr(unset, key, None):
+            continue  # training settings are the run's; unset keys were not asked for
+        if value != getattr(shape, key):
             warnings.warn(
                 f"model.{key}={value} is ignored: {cfg.model.hf_path}/config.json says {getattr(shape, key)}.",
                 stacklevel=2,
@@ -270,8 +274,9 @@ def dry_run(cfg: TrainConfig) -> dict:
 
 def quiet_megatron_on_cpu(*, cpu: bool = False) -> None:
     """Silence what helps no user of these commands: Megatron's INFO line per DDP bucket, its warnings that
-    TE/Apex are absent (we say which backend runs), and torch's deprecation of the collectives Megatron's
-    TP/SP layers call (``all_gather_into_tensor``, ``reduce_scatter_tensor``: Megatron's to change). On a
+    TE/Apex are absent (we say which backend runs), and torch's deprecations of what Megatron calls (the
+    collectives of its TP/SP layers, dist_checkpointing's ShardedTensor and ``load_state_dict``: Megatron's
+    to change). On a
     CPU (``cpu``) also the advice to set CUDA_DEVICE_MAX_CONNECTIONS, which only a GPU reads (the sbatch
     launcher sets it). Our own warnings, and any other, stay."""
     logging.getLogger("megatron").setLevel(logging.WARNING)
@@ -282,6 +287,8 @@ def quiet_megatron_on_cpu(*, cpu: bool = False) -> None:
         ".*torch.jit.script_method.*",
         ".*torch.distributed.all_gather_into_tensor` is deprecated.*",
         ".*torch.distributed.reduce_scatter_tensor` is deprecated.*",
+        ".*Please use DTensor instead and we are deprecating ShardedTensor.*",  # dist_checkpointing's reshard
+        ".*`load_state_dict` is deprecated and will be removed in future versions.*",  # and its torch loader
     ]
     if cpu:
         patterns.append(".*CUDA_DEVICE_MAX_CONNECTIONS.*")

@@ -75,7 +75,8 @@ def build_policy(
     )
     info = {}
     if hf_path is not None:
-        stats = load_hf_weights(model, shape, hf_path, tp_rank=group_rank(process_groups.tp), tp_size=layout.tp)
+        stats = load_hf_weights(model, shape, hf_path, tp_rank=group_rank(process_groups.tp), tp_size=layout.tp,
+                                ep_rank=group_rank(process_groups.ep), ep_size=layout.ep)  # fmt: skip
         info["tensors_read"] = stats["tensors_read"]
     built, scheduler = (None, None) if optimizer is None else optimizer(model)
     if optimizer is None:

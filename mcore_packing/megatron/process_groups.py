@@ -59,6 +59,11 @@ class ProcessGroups:
         return self.collection.tp
 
     @property
+    def ep(self):
+        """The expert-parallel group (Mixture-of-Experts; size 1 for dense models)."""
+        return self.collection.ep
+
+    @property
     def dp_rank(self) -> int:
         return group_rank(self.dp)
 

@@ -148,8 +148,9 @@ def _moe_fields(config: dict, model_type: str, layers: int) -> dict:
     if float(config.get("router_jitter_noise") or 0.0):
         raise _refuse("router_jitter_noise", config["router_jitter_noise"], "routing with noise is not deterministic.")
     experts = int(config.get("num_experts") or config.get("num_local_experts"))
-    fields = dict(num_experts=experts, moe_router_topk=int(config["num_experts_per_tok"]),
-                  moe_aux_loss_coeff=float(config.get("router_aux_loss_coef", 0.0)))  # fmt: skip
+    # router_aux_loss_coef is a training setting (transformers applies it only with output_router_logits):
+    # the run's config sets the balance loss (ModelShape.MOE_TRAINING_FIELDS), not the checkpoint
+    fields = dict(num_experts=experts, moe_router_topk=int(config["num_experts_per_tok"]))
     if model_type == "mixtral":  # every layer is MoE, experts of intermediate_size, top-k renormalized
         return {**fields, "moe_ffn_hidden_size": int(config["intermediate_size"]), "moe_router_topk_norm": True}
     step = int(config.get("decoder_sparse_step", 1))
@@ -206,7 +207,7 @@ def _hf_moe_fields(shape: ModelShape) -> dict:
     """The config.json MoE keys of a Qwen3-MoE, Mixtral or Qwen2-MoE shape ({} for dense families)."""
     if shape.family not in ("qwen3_moe", "mixtral", "qwen2_moe"):
         return {}
-    fields = {"num_experts_per_tok": shape.moe_router_topk, "router_aux_loss_coef": shape.moe_aux_loss_coeff}
+    fields = {"num_experts_per_tok": shape.moe_router_topk}  # router_aux_loss_coef: the source's, in ``extra``
     if shape.family == "mixtral":
         if shape.expert_size != shape.ffn_size or not shape.moe_router_topk_norm or shape.moe_dense_layers:
             raise ValueError("a Mixtral config has experts of intermediate_size in every layer, top-k renormalized.")

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 from ..validators import require_choice, require_positive_int, require_positive_number
 
-__all__ = ["FAMILIES", "MOE_LOAD_BALANCING", "MOE_SCORES", "NORMALIZATIONS", "ModelShape"]
+__all__ = ["FAMILIES", "MOE_LOAD_BALANCING", "MOE_SCORES", "MOE_TRAINING_FIELDS", "NORMALIZATIONS", "ModelShape"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
@@ -19,6 +19,9 @@ FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral",
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING = ("seq_aux_loss", "global_aux_loss", "aux_loss", "none")
 """Megatron's names: per sequence, per global batch, per micro-batch (not split-invariant), or none."""
+MOE_TRAINING_FIELDS = ("moe_load_balancing", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+"""How an MoE model is trained, not what it is: a checkpoint's config.json does not set them (the run's
+config does, with or without ``model.hf_path``)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,8 +147,9 @@ class ModelShape:
             raise ValueError(f"model.moe_dense_layers holds {bad}; layers are 0 to {self.num_layers - 1}.")
         if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
             raise ValueError("model.moe_shared_expert_gate needs a shared expert: set model.moe_shared_expert_size.")
-        if not self.gated_mlp:
-            raise ValueError("Mixture-of-Experts shapes use gated (SwiGLU) experts: set model.gated_mlp=true.")
+        if not self.gated_mlp or self.linear_bias:
+            raise ValueError("Mixture-of-Experts shapes use gated (SwiGLU) experts without biases, as Qwen3-MoE, "
+                             "Mixtral and Qwen2-MoE do: set model.gated_mlp=true model.linear_bias=false.")  # fmt: skip
 
     @property
     def is_moe(self) -> bool:
