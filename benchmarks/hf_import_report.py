@@ -1,6 +1,7 @@
 """Hugging Face import on tiny random models of every family: logit error per layout, import time, bytes
-read and peak memory per rank. The models come from tests/hf_models.py (random weights, every parameter
-perturbed); the comparison is the one tests/test_hf_conversion.py asserts.
+read and peak memory per rank (Mixture-of-Experts families also at expert parallelism; their TP runs use
+sequence parallelism, which Megatron's MoE layer needs under TP). The models come from tests/hf_models.py
+(random weights, every parameter perturbed); the comparison is the one tests/test_hf_conversion.py asserts.
 
     python benchmarks/hf_import_report.py          # about a minute on 2 CPU cores
 """
@@ -21,27 +22,31 @@ from tests.distributed_harness import run_distributed  # noqa: E402
 from tests.hf_models import FAMILIES, hf_logits, make_tiny  # noqa: E402
 from tests.test_hf_conversion import SEQUENCES, check  # noqa: E402
 
-LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
+"""(TP, PP, EP) of the dense families."""
+MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 1, 2)]
+MOE = {"qwen3_moe", "mixtral", "qwen2_moe"}
 
 
 def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    config = run_config(argparse_free(), families=sorted(FAMILIES), layouts=LAYOUTS, sequences=len(SEQUENCES))
+    config = run_config(argparse_free(), families=sorted(FAMILIES), layouts=LAYOUTS, moe_layouts=MOE_LAYOUTS,
+                        sequences=len(SEQUENCES))  # fmt: skip
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for family in sorted(FAMILIES):
             folder = make_tiny(family, Path(tmp) / family)
             reference = hf_logits(folder, SEQUENCES)
-            for tp, pp in LAYOUTS:
-                results = run_distributed(
-                    "tests.hf_workers:logits_worker", tp * pp, folder=str(folder), sequences=SEQUENCES, tp=tp, pp=pp
-                )
+            for tp, pp, ep in MOE_LAYOUTS if family in MOE else LAYOUTS:
+                sp = family in MOE and tp > 1
+                results = run_distributed("tests.hf_workers:logits_worker", tp * pp * ep, folder=str(folder),
+                                          sequences=SEQUENCES, tp=tp, pp=pp, ep=ep, sp=sp)  # fmt: skip
                 errors = check(results[0], reference)
                 ranks = [r["stats"] for r in results]
-                row = {"family": family, "tp": tp, "pp": pp, **errors, "ranks": ranks}
+                row = {"family": family, "tp": tp, "pp": pp, "ep": ep, "sp": sp, **errors, "ranks": ranks}
                 rows.append(row)
                 print(
-                    f"{family:<11} TP{tp} PP{pp}  logits alone {errors.get('alone', float('nan')):.1e}  packed "
+                    f"{family:<11} TP{tp} PP{pp} EP{ep}  logits alone {errors.get('alone', float('nan')):.1e}  packed "
                     f"{errors.get('packed', float('nan')):.1e}  logprobs {errors['logprobs']:.1e}  import "
                     f"{max(r['seconds'] for r in ranks) * 1e3:.0f} ms  read/rank "
                     f"{max(r['bytes_read'] for r in ranks) / 1e3:.0f} kB  peak RSS/rank "
