@@ -1,6 +1,7 @@
 """`python -m mcore_packing train` on a Mixture-of-Experts checkpoint (a tiny random Qwen3-MoE made with
 transformers, 4 experts, top-2, one dense layer): it trains from the checkpoint and exports a folder
-transformers loads; expert parallelism over 2 gloo ranks gives the losses and gradient norms of one rank
+transformers loads; expert parallelism over 2 gloo ranks gives the losses, gradient norms and expert loads
+of one rank
 (dropless routing and the global token-mean loss: nothing depends on where an expert lives), packed and
 dynamically batched; a checkpoint resumes exactly at its parallel.ep and is refused, naming the key, at
 another; a balance loss (not yet exact under packing) is refused naming the key."""
@@ -72,6 +73,15 @@ def test_expert_parallel_ranks_give_the_losses_of_one_rank(tmp_path, moe_model, 
     assert one.returncode == 0 and two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert _noise(two.stderr) == [], two.stderr[-2000:]
     assert _close(_rows(tmp_path / "two"), _rows(tmp_path / "one")), (_rows(tmp_path / "two"), _rows(tmp_path / "one"))
+    # every computed token (pads included) is routed to its top-2 experts in the one MoE layer; packed rows
+    # here have no pads, so the loads are the same whichever rank holds the experts (dynamic batching pads
+    # each rank's rows to their longest, and the pads, routed too, differ with the split)
+    loads = {run: [(r["expert_load_max_over_mean"], r["routed_tokens"], r["padded_tokens"]) for r in
+                   metrics(tmp_path / run)] for run in ("one", "two")}  # fmt: skip
+    assert all(routed == 2 * computed for run in loads.values() for _, routed, computed in run)
+    assert all(load > 1.0 for load, _, _ in loads["one"])
+    if not mode:
+        assert loads["one"] == loads["two"]
 
 
 @pytest.mark.slow

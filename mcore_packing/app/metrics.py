@@ -25,6 +25,8 @@ log = logging.getLogger("mcore_packing.train")
 
 _TENSORBOARD_KEYS = (
     "loss",
+    "expert_load_max_over_mean",
+    "expert_load_mean_max_over_mean",
     "lr",
     "grad_norm",
     "tokens_per_s",
@@ -111,6 +113,8 @@ def _console_text(r: dict) -> str:
                  f"{r['logprob_pass_s']:.2f}s")  # fmt: skip
     if r["grad_norm"] is not None:
         text += f" | grad norm {r['grad_norm']:.3f}"
+    if "expert_load_max_over_mean" in r:
+        text += f" | expert load max/mean {r['expert_load_max_over_mean']:.2f}"
     if r["predicted_step_time_s"] is not None:
         text += f" | step {r['step_time_s']:.2f}s (predicted {r['predicted_step_time_s']:.2f}s)"
     return (

@@ -155,9 +155,14 @@ def train(cfg: TrainConfig) -> dict:
             log.info("resumed from %s at step %d", inputs.resume, start)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
         metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.policy.device)
+        experts = _expert_meter(setup.policy, inputs.shape)
         for step in range(start + 1, cfg.training.steps + 1):
             batch_ids = inputs.data.sample_ids(sampler.next_batch())
+            if experts is not None:
+                experts.reset()
             plan, outcome, extra_metrics = take_step(batch_ids)
+            if experts is not None:  # a collective, on every rank
+                extra_metrics = {**(extra_metrics or {}), **experts.metrics(setup.policy.device)}
             metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
             summary["losses"].append(outcome.result.loss)
             summary["steps"].append(step)
@@ -173,6 +178,15 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.training.export_dir and summary["stopped_at"] is None:
         _export_at_end(cfg, checkpointer, setup.rank)
     return summary
+
+
+def _expert_meter(policy, shape: ModelShape):
+    """The step's expert-load meter of an MoE model (None for a dense one)."""
+    if not shape.is_moe:
+        return None
+    from ..megatron.expert_load import ExpertLoadMeter
+
+    return ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts)
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:

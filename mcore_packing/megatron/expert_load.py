@@ -1,0 +1,68 @@
+"""`ExpertLoadMeter`: how evenly a Mixture-of-Experts model's routers spread the tokens of a step.
+
+A forward hook on every MoE layer's router counts, per layer and expert, the tokens routed to it (each
+token counts once for each of its top-k experts) in every forward of the step. `metrics` sums the counts
+over all ranks (every rank routes its own tokens: DP, CP and sequence-parallel TP shards are disjoint, and
+each pipeline stage fills its own layers) and reports, per MoE layer, the busiest expert's tokens over the
+mean: 1.0 is perfectly even, E is one expert taking everything. The pad tokens of the packed rows are
+routed like the others and counted (a few per sequence under CP or SP; dynamic batching's padded rows
+more). Reading the counts is a collective: every rank calls `metrics`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["ExpertLoadMeter"]
+
+
+class ExpertLoadMeter:
+    """Hooks the routers of ``model`` (a Megatron GPTModel chunk, DDP-wrapped or not) of ``num_layers``
+    global layers with ``num_experts`` routed experts each."""
+
+    def __init__(self, model, num_layers: int, num_experts: int):
+        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
+        self.moe_layers: list[int] = []
+        self._hooks = []
+        module = getattr(model, "module", model)
+        for layer in module.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            index = layer.layer_number - 1  # Megatron's global, 1-based layer number
+            self.moe_layers.append(index)
+            self._hooks.append(router.register_forward_hook(self._hook(index)))
+
+    def _hook(self, index: int):
+        def count(module, args, output):
+            routing_map = output[1]  # [tokens, experts] bool: the top-k experts of each token
+            self.counts[index] += routing_map.detach().sum(0).to(device="cpu", dtype=torch.float64)
+
+        return count
+
+    def reset(self) -> None:
+        self.counts.zero_()
+
+    def metrics(self, device: torch.device | str = "cpu") -> dict:
+        """``expert_load_max_over_mean`` (the worst MoE layer) and ``expert_load_mean_max_over_mean`` (the
+        mean over MoE layers) of the counts since the last `reset`, summed over every rank."""
+        import torch.distributed as dist
+
+        counts = self.counts.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        counts = counts.cpu()
+        layers = [i for i in range(counts.shape[0]) if counts[i].sum() > 0]
+        if not layers:
+            return {}
+        ratios = [float(counts[i].max() / counts[i].mean()) for i in layers]
+        return {
+            "expert_load_max_over_mean": max(ratios),
+            "expert_load_mean_max_over_mean": sum(ratios) / len(ratios),
+            "routed_tokens": int(counts[layers[0]].sum()),
+        }
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
