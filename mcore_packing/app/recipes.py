@@ -158,6 +158,13 @@ def rl_optimizer(lr: float) -> OptimizerConfig:
                            lr_warmup_iters=10, use_distributed_optimizer=True)  # fmt: skip
 
 
+def _grpo_loss() -> ClippedPGConfig:
+    """The GRPO recipes' policy loss: clip 0.2 / 0.28 (DAPO's clip-higher), KL 0.01 to the starting weights,
+    token-level, the importance-sampling correction for the inference engine's log-probs."""
+    return ClippedPGConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, reference_policy_kl_penalty=0.01,
+                           token_level_loss=True, use_importance_sampling_correction=True)  # fmt: skip
+
+
 def tiny_cpu_sft(num_nodes: int = 1, gpus_per_node: int = 1) -> TrainConfig:
     """The README's main job: a tiny GPT on CHAMP, packed, gloo on CPU; the schema's defaults, so it is
     the same config as the Hydra default (`hydra_configs/config.yaml`, tested)."""
@@ -229,8 +236,7 @@ def qwen2_7b_grpo_cp(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
         max_sample_tokens=16384,
     )
     grpo = GRPOConfig(num_prompts_per_step=64, num_generations_per_prompt=8)
-    loss = ClippedPGConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, reference_policy_kl_penalty=0.01,
-                           token_level_loss=True, use_importance_sampling_correction=True)  # fmt: skip
+    loss = _grpo_loss()
     return dataclasses.replace(cfg, algorithm="grpo", grpo=grpo, loss_fn=loss)
 
 
@@ -266,7 +272,7 @@ def qwen3_8b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConf
 
 def qwen3_30b_a3b_sft_packed(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
     """Qwen3-30B-A3B SFT with packing: 128 experts (top-8) split over up to 8 expert-parallel ranks, TP2 with
-    sequence parallelism for attention, dropless routing with the per-sequence balance loss."""
+    sequence parallelism, dropless routing (no balance loss until ours is exact under packing)."""
     tp = _tp_for(gpus_per_node, 2)
     ep = _ep_for(num_nodes * gpus_per_node, tp, 128, 8)
     return _family_recipe(
@@ -286,8 +292,7 @@ def qwen3_30b_a3b_grpo(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfi
     log-probs for the importance-sampling correction), the SFT recipe's layout, KL to the starting weights."""
     cfg = qwen3_30b_a3b_sft_packed(num_nodes, gpus_per_node)
     packing = dataclasses.replace(cfg.sequence_packing, logprob_mb_tokens=16384, microbatch_order="largest_first")
-    loss = ClippedPGConfig(ratio_clip_min=0.2, ratio_clip_max=0.28, reference_policy_kl_penalty=0.01,
-                           token_level_loss=True, use_importance_sampling_correction=True)  # fmt: skip
+    loss = _grpo_loss()
     return dataclasses.replace(
         cfg, algorithm="grpo", run_name="qwen3-30b-a3b-grpo", sequence_packing=packing, loss_fn=loss,
         training=TrainingConfig(global_batch_size=512, steps=500), optimizer=rl_optimizer(1e-6),
