@@ -64,19 +64,25 @@ def test_each_family_imports_with_hf_logits(checkpoints, family):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    ("family", "tp", "ep"),
-    [("qwen3_moe", 1, 2), ("qwen3_moe", 2, 1), ("mixtral", 1, 2), ("qwen2_moe", 2, 2)],
+    ("family", "tp", "ep", "pp"),
+    [
+        ("qwen3_moe", 1, 2, 1),
+        ("qwen3_moe", 2, 1, 1),
+        ("mixtral", 1, 2, 1),
+        ("qwen2_moe", 2, 2, 1),
+        ("qwen3_moe", 2, 1, 2),
+    ],
 )
-def test_moe_families_import_at_expert_and_tensor_parallel_sizes(checkpoints, family, tp, ep):
+def test_moe_families_import_at_expert_and_tensor_parallel_sizes(checkpoints, family, tp, ep, pp):
     """Experts split over EP ranks (each reads only its own experts' tensors) and over TP like a dense MLP
-    (with sequence parallelism, which Megatron's MoE layer needs under TP); the tokens of every sequence
+    (with sequence parallelism, which Megatron's MoE layer needs under TP), and over pipeline stages (the
+    later stage's routers get this TP rank's share of the padding mask); the tokens of every sequence
     travel to their experts' ranks by Megatron's all-to-all and back."""
     folders, references = checkpoints
-    world = tp * ep if tp * ep > 1 else 2
-    results = run_distributed("tests.hf_workers:logits_worker", world, folder=str(folders[family]),
-                              sequences=SEQUENCES, tp=tp, ep=ep, sp=tp > 1)  # fmt: skip
+    results = run_distributed("tests.hf_workers:logits_worker", tp * ep * pp, folder=str(folders[family]),
+                              sequences=SEQUENCES, tp=tp, ep=ep, pp=pp, sp=tp > 1)  # fmt: skip
     errors = check(results[0], references[family])
-    assert all(e <= RTOL for e in errors.values()), (family, tp, ep, errors)
+    assert all(e <= RTOL for e in errors.values()), (family, tp, ep, pp, errors)
     if ep > 1:  # each rank read only its experts: fewer tensors than the whole checkpoint
         assert results[0]["stats"]["tensors_read"] < run_distributed(
             "tests.hf_workers:logits_worker", 1, folder=str(folders[family]), sequences=SEQUENCES[:1]

@@ -73,15 +73,15 @@ def test_expert_parallel_ranks_give_the_losses_of_one_rank(tmp_path, moe_model, 
     assert one.returncode == 0 and two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert _noise(two.stderr) == [], two.stderr[-2000:]
     assert _close(_rows(tmp_path / "two"), _rows(tmp_path / "one")), (_rows(tmp_path / "two"), _rows(tmp_path / "one"))
-    # every computed token (pads included) is routed to its top-2 experts in the one MoE layer; packed rows
-    # here have no pads, so the loads are the same whichever rank holds the experts (dynamic batching pads
-    # each rank's rows to their longest, and the pads, routed too, differ with the split)
-    loads = {run: [(r["expert_load_max_over_mean"], r["routed_tokens"], r["padded_tokens"]) for r in
+    # every real token is counted once for each of its top-2 experts in the one MoE layer, pads not (the
+    # routers get the padding mask): the loads are the same whichever rank holds the experts, packed or in
+    # dynamic batching's padded rows (whose pads differ with the split)
+    loads = {run: [(r["expert_load_max_over_mean"], r["routed_tokens"], r["useful_tokens"]) for r in
                    metrics(tmp_path / run)] for run in ("one", "two")}  # fmt: skip
-    assert all(routed == 2 * computed for run in loads.values() for _, routed, computed in run)
-    assert all(load > 1.0 for load, _, _ in loads["one"])
-    if not mode:
-        assert loads["one"] == loads["two"]
+    assert all(routed == 2 * real for run in loads.values() for _, routed, real in run)
+    assert all(load > 1.0 for load, _, _ in loads["one"]) and loads["one"] == loads["two"]
+    if mode:  # control: rows with pads, which would have been counted without the mask
+        assert any(r["padded_tokens"] > r["useful_tokens"] for run in ("one", "two") for r in metrics(tmp_path / run))
 
 
 @pytest.mark.slow

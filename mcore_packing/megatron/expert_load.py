@@ -4,9 +4,9 @@ A forward hook on every MoE layer's router counts, per layer and expert, the tok
 token counts once for each of its top-k experts) in every forward of the step. `metrics` sums the counts
 over all ranks (every rank routes its own tokens: DP, CP and sequence-parallel TP shards are disjoint, and
 each pipeline stage fills its own layers) and reports, per MoE layer, the busiest expert's tokens over the
-mean: 1.0 is perfectly even, E is one expert taking everything. The pad tokens of the packed rows are
-routed like the others and counted (a few per sequence under CP or SP; dynamic batching's padded rows
-more). Reading the counts is a collective: every rank calls `metrics`.
+mean: 1.0 is perfectly even, E is one expert taking everything. Pad tokens are routed like the others
+but not counted: the schedule gives the model each micro-batch's padding mask (`prepare`), which the
+routers receive. Reading the counts is a collective: every rank calls `metrics`.
 """
 
 from __future__ import annotations
@@ -35,8 +35,11 @@ class ExpertLoadMeter:
 
     def _hook(self, index: int):
         def count(module, args, output):
-            routing_map = output[1]  # [tokens, experts] bool: the top-k experts of each token
-            self.counts[index] += routing_map.detach().sum(0).to(device="cpu", dtype=torch.float64)
+            routing_map = output[1].detach()  # [tokens, experts] bool: the top-k experts of each token
+            pads = args[1] if len(args) > 1 else None  # the micro-batch's padding mask (True at pad tokens)
+            if pads is not None:
+                routing_map = routing_map[~pads.reshape(-1)]
+            self.counts[index] += routing_map.sum(0).to(device="cpu", dtype=torch.float64)
 
         return count
 

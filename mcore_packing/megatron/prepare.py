@@ -50,6 +50,7 @@ class PreparedMicroBatch:
     full_loss_mask: torch.Tensor  # [T] (THD) or [rows, width] (BSHD)
     local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
     group_ids: tuple | None = None  # the plan's group id of every sample of the step (indexed by sample id)
+    padding_mask: torch.Tensor | None = None  # like ``tokens``: True at pad tokens (Megatron's MoE routers skip them)
 
 
 def prepare_micro_batch(
@@ -91,6 +92,10 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device
         index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
         weights = weights[:, index] if weights is not None else None
     local = slice_for_cp(batch, cp_size, cp_rank, index=index)
+    pad = torch.ones(batch.total_tokens, dtype=torch.bool)
+    for start, length in zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False):
+        pad[start : start + length] = False
+    pad = (pad if index is None else pad[index])[None]
     return PreparedMicroBatch(
         plan=mb,
         tokens=local.tokens.to(device),
@@ -104,6 +109,7 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device
         real_lengths=batch.seq_lengths,
         full_loss_mask=batch.loss_mask[0].to(device),
         local_valid_tokens=int(local.loss_mask.sum().item()),
+        padding_mask=pad.to(device),
     )
 
 
@@ -130,6 +136,9 @@ def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, devic
         real_lengths=tuple(b.seq_lengths[0] for b in built),
         full_loss_mask=loss_mask.to(device),
         local_valid_tokens=int(local_mask.sum().item()),
+        padding_mask=split(torch.arange(width)[None] >= torch.tensor([b.seq_lengths[0] for b in built])[:, None]).to(
+            device
+        ),
     )
 
 

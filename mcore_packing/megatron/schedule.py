@@ -32,7 +32,7 @@ from ..data.sample import SequenceSample
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
-from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
+from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
 from .step_loss import StepLoss, TokenMeanNLL
 
 __all__ = ["StepResult", "compute_logprobs", "forward_backward"]
@@ -161,7 +161,7 @@ def _run_schedule(
     if process_groups.pp_size > 1:
         p2p = P2PCommunicator(pp_group=process_groups.pp, config=get_model_config(chunks[0]))
     return get_forward_backward_func()(
-        forward_step_func=_forward_step(loss_func),
+        forward_step_func=_forward_step(loss_func, process_groups),
         data_iterator=iter(prepared),
         model=chunks,
         num_microbatches=len(prepared),
@@ -173,18 +173,37 @@ def _run_schedule(
     )
 
 
-def _forward_step(loss_func):
+def _forward_step(loss_func, process_groups: ProcessGroups):
     """Megatron's ``forward_step_func``: the next prepared micro-batch through the model chunk; the
-    per-token losses go to ``loss_func(prepared, output)`` on the last stage."""
+    per-token losses go to ``loss_func(prepared, output)`` on the last stage. An MoE model also gets the
+    micro-batch's padding mask, so its routers keep pad tokens out of their statistics."""
 
     def forward_step(data_iterator, model_chunk):
         prep = next(data_iterator)
+        extra = {"padding_mask": _router_padding_mask(prep, model_chunk, process_groups)}
+        if extra["padding_mask"] is None:
+            extra = {}
         output = model_chunk(
-            prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params
+            prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params, **extra
         )
         return output, partial(loss_func, prep)
 
     return forward_step
+
+
+def _router_padding_mask(prep, model_chunk, process_groups: ProcessGroups):
+    """The padding mask an MoE model chunk's routers get (None for a dense model): the first pipeline stage
+    takes it whole (Megatron splits it over sequence-parallel ranks there); a later stage under sequence
+    parallelism gets this TP rank's share, which Megatron does not cut for it."""
+    config = getattr(model_chunk, "config", None)
+    if not getattr(config, "num_moe_experts", None) or prep.padding_mask is None:
+        return None
+    mask = prep.padding_mask
+    if getattr(config, "sequence_parallel", False) and not getattr(model_chunk.module, "pre_process", True):
+        size, rank = process_groups.tp_size, group_rank(process_groups.tp)
+        width = mask.shape[1] // size
+        mask = mask[:, rank * width : (rank + 1) * width]
+    return mask
 
 
 def _step_loss(store: list[dict], process_groups: ProcessGroups) -> float:
