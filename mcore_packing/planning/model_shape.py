@@ -145,6 +145,12 @@ class ModelShape:
         bad = [i for i in self.moe_dense_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
         if bad:
             raise ValueError(f"model.moe_dense_layers holds {bad}; layers are 0 to {self.num_layers - 1}.")
+        if self.moe_router_score == "sigmoid" and not self.moe_router_topk_norm:
+            raise ValueError("model.moe_router_score=sigmoid renormalizes the top-k scores (Megatron's sigmoid "
+                             "router does): set model.moe_router_topk_norm=true.")  # fmt: skip
+        if self.moe_router_expert_bias and self.moe_router_score != "sigmoid":
+            raise ValueError("model.moe_router_expert_bias balances a sigmoid router (aux-loss-free): set "
+                             "model.moe_router_score=sigmoid, or turn the bias off.")  # fmt: skip
         if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
             raise ValueError("model.moe_shared_expert_gate needs a shared expert: set model.moe_shared_expert_size.")
         if not self.gated_mlp or self.linear_bias:
