@@ -158,7 +158,7 @@ def test_moe_shape_settings_are_checked():
         ModelShape(**base, moe_shared_expert_gate=True)
     with pytest.raises(ValueError, match=r"model\.moe_load_balancing"):
         ModelShape(**base, moe_load_balancing="per_row")
-    with pytest.raises(ValueError, match="set model.moe_router_topk_norm=true"):
+    with pytest.raises(ValueError, match=r"set model\.moe_router_topk_norm=true"):
         ModelShape(**base, moe_router_score="sigmoid", moe_router_topk_norm=False)
     with pytest.raises(ValueError, match="balances a sigmoid router"):
         ModelShape(**base, moe_router_expert_bias=True)
