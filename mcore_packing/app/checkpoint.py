@@ -273,7 +273,7 @@ class Checkpointer:
             for key, value in saved.items()
             if getattr(setup.shape, key) != value
         ]
-        saved_ep, ep = manifest["layout"].get("ep", 1), self.layout.get("ep", 1)
+        saved_ep, ep = manifest.get("layout", {}).get("ep", 1), self.layout.get("ep", 1)
         if setup.shape.is_moe and saved_ep != ep:
             differences.append(
                 f"parallel.ep: checkpoint {saved_ep}, this run {ep} (Megatron groups an MoE model's optimizer "
