@@ -105,3 +105,28 @@ def test_preference_pairs_through_the_chat_template_learn_only_the_responses(tmp
     # the system and user turns are rendered but not learned; the whole sample is one tokenization
     assert list(chosen.tokens) == tok.encode(tok.render([*prompt, {"role": "assistant", "content": "17 * 3 = 51."}]))
     assert learned(text_chosen) == " 4" and list(text_chosen.tokens) == tok.encode("What is 2 + 2?") + tok.encode(" 4")
+
+
+def test_batched_chat_encoding_equals_one_conversation_at_a_time(tokenizer_folder):
+    """load_sft_data encodes every conversation in one batch: the same ids, masks and turn ends as one at a
+    time, and the masks of the rule written out plainly (a token is learned when its characters lie inside
+    an assistant reply's span)."""
+    from mcore_packing.data.sft import _records
+
+    tok = ChatTokenizer(tokenizer_folder)
+    conversations = _records("champ", None, "text")[:150]
+    batched = tok.encode_conversations(conversations)
+    assert batched == [tok.encode_conversation(c) for c in conversations]
+    for conversation, (ids, mask, ends) in zip(conversations[:40], batched, strict=False):
+        text, spans, char_ends = tok._spans(conversation)
+        offsets = tok.tokenizer.encode(text, add_special_tokens=False).offsets
+        assert mask == [1.0 if any(a <= s and e <= b for a, b in spans) else 0.0 for s, e in offsets]
+        assert ends == [sum(1 for _, e in offsets if e <= end) for end in char_ends]
+        assert 0 < sum(mask) < len(ids)  # control: neither everything nor nothing is learned
+    mixed = ["plain text one", conversations[0], "and two"]
+    data = load_sft_data(source="champ", tokenizer_path=str(tokenizer_folder), num_samples=20)
+    assert data.info["num_samples"] > 0
+    from mcore_packing.data.sft import _encode_chat
+
+    out = _encode_chat(mixed, tok, learn_prompt=False)  # plain texts and conversations keep their order
+    assert [o.ids for o in out] == [tok.encode(mixed[0]), batched[0][0], tok.encode(mixed[2])]

@@ -60,20 +60,45 @@ class ChatTokenizer:
                 f"{self.folder} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                 "conversation data needs one. Use a chat/instruct checkpoint or plain-text data."
             )
-        return (
-            _environment()
-            .from_string(self.chat_template)
-            .render(
-                messages=messages,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._token("bos_token"),
-                eos_token=self._token("eos_token"),
-            )
+        if getattr(self, "_template", None) is None:  # compiled once: jinja's compile costs more than a render
+            self._template = _environment().from_string(self.chat_template)
+        return self._template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token("bos_token"),
+            eos_token=self._token("eos_token"),
         )
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of many plain texts at once (the tokenizer's own parallel batch encoding)."""
+        return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
 
     def encode_conversation(self, messages: list[dict]) -> tuple[list[int], list[float], list[int]]:
         """``(ids, loss_mask, turn_ends)``: the rendered conversation's tokens, 1.0 on the assistant's
         tokens, and the token count after each message (for truncation at a turn boundary)."""
+        return self.encode_conversations([messages])[0]
+
+    def encode_conversations(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[float], list[int]]]:
+        """`encode_conversation` of many conversations: each rendered and its assistant spans located, then
+        all tokenized in one batch (the tokenizer's threads) and masked with array operations."""
+        import numpy as np
+
+        located = [self._spans(messages) for messages in conversations]
+        encodings = self.tokenizer.encode_batch([text for text, _, _ in located], add_special_tokens=False)
+        out = []
+        for (_, spans, ends), encoding in zip(located, encodings, strict=True):
+            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+            starts, stops = offsets[:, 0], offsets[:, 1]
+            learned = np.zeros(len(offsets), dtype=bool)
+            for a, b in spans:
+                learned |= (starts >= a) & (stops <= b)
+            turn_ends = (stops[None, :] <= np.asarray(ends, dtype=np.int64)[:, None]).sum(1)
+            out.append((encoding.ids, learned.astype(np.float64).tolist(), turn_ends.tolist()))
+        return out
+
+    def _spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]], list[int]]:
+        """The rendered text, the character span of each assistant reply (with its end-of-turn), and the
+        character count after each message."""
         text = self.render(messages)
         spans, ends = [], []
         for i, message in enumerate(messages):
@@ -87,10 +112,7 @@ class ChatTokenizer:
                     )
                 spans.append((len(before), len(through)))
             ends.append(len(through))
-        encoding = self.tokenizer.encode(text, add_special_tokens=False)
-        mask = [1.0 if any(a <= start and stop <= b for a, b in spans) else 0.0 for start, stop in encoding.offsets]
-        turn_ends = [sum(1 for _, stop in encoding.offsets if stop <= end) for end in ends]
-        return encoding.ids, mask, turn_ends
+        return text, spans, ends
 
 
 def _environment():

@@ -107,14 +107,17 @@ def _encode_compact(record, encode, learn_prompt: bool) -> _Encoded:
     return out
 
 
-def _encode_chat(record, tokenizer, learn_prompt: bool) -> _Encoded:
-    if isinstance(record, str):
-        ids = tokenizer.encode(record)
-        return _Encoded(ids, [1.0] * len(ids), conversation=False)
-    ids, mask, ends = tokenizer.encode_conversation(record)
-    if learn_prompt:
-        mask = [1.0] * len(ids)
-    return _Encoded(ids, mask, [e for e, m in zip(ends, record, strict=True) if m["role"] == "assistant"])
+def _encode_chat(records: list, tokenizer, learn_prompt: bool) -> list[_Encoded]:
+    """Every record through the checkpoint's tokenizer in two batches (plain texts, conversations), in order."""
+    texts = [i for i, r in enumerate(records) if isinstance(r, str)]
+    chats = [i for i, r in enumerate(records) if not isinstance(r, str)]
+    out: list[_Encoded | None] = [None] * len(records)
+    for i, ids in zip(texts, tokenizer.encode_batch([records[i] for i in texts]), strict=True):
+        out[i] = _Encoded(ids, [1.0] * len(ids), conversation=False)
+    for i, (ids, mask, ends) in zip(chats, tokenizer.encode_conversations([records[i] for i in chats]), strict=True):
+        learned = [1.0] * len(ids) if learn_prompt else mask
+        out[i] = _Encoded(ids, learned, [e for e, m in zip(ends, records[i], strict=True) if m["role"] == "assistant"])
+    return out
 
 
 def _fit(record: _Encoded, policy: str | None, limit: int) -> tuple[list[tuple[list, list]], str | None]:
@@ -175,7 +178,7 @@ def load_sft_data(
         from .hf_tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer(tokenizer_path)
-        encoded = [_encode_chat(r, tokenizer, learn_prompt) for r in records]
+        encoded = _encode_chat(records, tokenizer, learn_prompt)
         remap, unk_share, vocab_size = None, 0.0, tokenizer.vocab_size
     else:
         quick = get_tokenizer(encoding)
