@@ -391,6 +391,18 @@ def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     return layout
 
 
+def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
+    """The model's heads split over TP and its experts over EP (a `ConfigError` naming the parallel key)."""
+    try:
+        layout.check_heads(shape.num_attention_heads, shape.kv_heads)
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="parallel.tp") from None
+    try:
+        layout.check_experts(shape.num_experts)
+    except ValueError as exc:
+        raise ConfigError(str(exc), key="parallel.ep") from None
+
+
 def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None = None) -> StepPlanConfig:
     """The step planner's config for this run on ``layout`` (the one config -> plan translation). Without
     packing or dynamic batching, ``padded`` mode sized to hold ``padded_micro_batch_rows`` of the longest

@@ -42,7 +42,7 @@ import numpy as np
 from ..data.real_text import REAL_CORPORA, real_corpus_lengths
 from ..packing import PackingMetrics, get_packer, resolve_algorithm
 from ..planning import BALANCES, MODES, ORDERS, ModelShape, StepPlanConfig, recommend_budget, summarize
-from .config import ConfigError, TrainConfig, plan_config, validate_layout
+from .config import ConfigError, TrainConfig, check_shape_on_layout, plan_config, validate_layout
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
@@ -175,6 +175,17 @@ _MODES = {
 """``--mode``: (sequence_packing.enabled, dynamic_batching.enabled)."""
 
 
+_SHAPE_FLAGS = (
+    ("layers", "num_layers"),
+    ("hidden", "hidden_size"),
+    ("heads", "num_attention_heads"),
+    ("kv-heads", "num_query_groups"),
+    ("ffn", "ffn_hidden_size"),
+    ("vocab", "vocab_size"),
+)
+"""(flag, ``model.*`` key) of the model-shape flags."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m mcore_packing plan",
@@ -212,14 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", help=f"start from a recipe of mcore_packing.app.recipes: {recipes}")
     p.add_argument("--num-nodes", type=int, help="with --recipe: nodes the recipe plans for")
     p.add_argument("--gpus-per-node", type=int, help="with --recipe: GPUs per node")
-    for name, key in (
-        ("layers", "num_layers"),
-        ("hidden", "hidden_size"),
-        ("heads", "num_attention_heads"),
-        ("kv-heads", "num_query_groups"),
-        ("ffn", "ffn_hidden_size"),
-        ("vocab", "vocab_size"),
-    ):
+    for name, key in _SHAPE_FLAGS:
         p.add_argument(f"--{name}", dest=key, type=int, help=f"model.{key}")
     p.add_argument("--png", default=None, help="write the figure to this PNG file (none unless given)")
     p.add_argument("--no-png", action="store_true", help="write no figure even with --png (scripts)")
@@ -228,13 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_FLAG_NAMES = {"num_layers": "--layers", "hidden_size": "--hidden", "num_attention_heads": "--heads",
-               "num_query_groups": "--kv-heads", "ffn_hidden_size": "--ffn", "vocab_size": "--vocab",
-               "mb_tokens": "--mb-tokens", "hf_path": "--hf-path"}  # fmt: skip
-
-
 def _flag(dest: str) -> str:
-    return _FLAG_NAMES.get(dest, "--" + dest.replace("_", "-"))
+    """The flag the user typed for ``dest`` (the model-shape flags are short names)."""
+    short = {key: name for name, key in _SHAPE_FLAGS}
+    return "--" + short.get(dest, dest.replace("_", "-"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -254,10 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _overrides(args, user: list[str], cfg: TrainConfig | None, given: dict[str, str]) -> list[str]:
+def _overrides(args, user: list[str], given: dict[str, str]) -> list[str]:
     """The flags as Hydra overrides around the user's: data defaults of ``--jsonl`` first (the user's keys
-    win), the flags last. ``cfg`` (the config without the flags) tells which section's budget ``--mb-tokens``
-    sets; ``given`` collects key -> flag for the error messages."""
+    win), the flags last. ``--mb-tokens`` sets the budget of both sections (whichever is active plans it);
+    ``given`` collects key -> flag for the error messages."""
     head = ["data.source=jsonl", f"data.path={args.jsonl}", "data.num_samples=null"] if args.jsonl else []
     tail = []
     if args.mode is not None:
@@ -276,11 +277,9 @@ def _overrides(args, user: list[str], cfg: TrainConfig | None, given: dict[str, 
         tail.append(f"{key}={value}")
         given[key] = _flag(dest)
     if args.mb_tokens is not None:
-        dynamic = args.mode == "dynamic" or (args.mode is None and cfg is not None and cfg.dynamic_batching.enabled
-                                             and not cfg.sequence_packing.enabled)  # fmt: skip
-        key = f"{'dynamic_batching' if dynamic else 'sequence_packing'}.train_mb_tokens"
-        tail.append(f"{key}={args.mb_tokens}")
-        given[key] = "--mb-tokens"
+        for key in ("sequence_packing.train_mb_tokens", "dynamic_batching.train_mb_tokens"):
+            tail.append(f"{key}={args.mb_tokens}")
+            given[key] = "--mb-tokens"
     return [*head, *user, *tail]
 
 
@@ -289,8 +288,7 @@ def _compose(args, user: list[str], given: dict[str, str]) -> TrainConfig:
 
     _check_flags(args)
     sizes = {"num_nodes": args.num_nodes, "gpus_per_node": args.gpus_per_node}
-    base = compose_config(args.recipe, _overrides(args, user, None, {}), **sizes) if args.mb_tokens else None
-    return compose_config(args.recipe, _overrides(args, user, base, given), **sizes)
+    return compose_config(args.recipe, _overrides(args, user, given), **sizes)
 
 
 def _world(args, cfg: TrainConfig) -> int:
@@ -343,11 +341,7 @@ def _other_lengths(args, cfg: TrainConfig, world: int):
     """``--lengths`` / ``--corpus``: the run's settings, the model's shape, consecutive global batches."""
     layout = validate_layout(cfg, world)
     shape = cfg.model.shape(cfg.data.vocab_size)
-    try:
-        layout.check_heads(shape.num_attention_heads, shape.kv_heads)
-        layout.check_experts(shape.num_experts)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
+    check_shape_on_layout(shape, layout)
     config = plan_config(cfg, layout)
     if args.lengths:
         source, lengths = args.lengths, load_lengths(args.lengths)

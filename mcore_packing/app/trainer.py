@@ -29,7 +29,15 @@ from ..planning.hf_config import check_output_folder, check_safetensors
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from .algorithms import RunData, get_algorithm
 from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
-from .config import ConfigError, ModelConfig, TrainConfig, check_data_fits, plan_config, validate_layout
+from .config import (
+    ConfigError,
+    ModelConfig,
+    TrainConfig,
+    check_data_fits,
+    check_shape_on_layout,
+    plan_config,
+    validate_layout,
+)
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
 from .model_setup import default_device, device_context, setup_training
@@ -79,14 +87,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
                     "; ".join(rebuilt))  # fmt: skip
     data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
-    try:
-        layout.check_heads(shape.num_attention_heads, shape.kv_heads)
-    except ValueError as exc:
-        raise ConfigError(str(exc), key="parallel.tp") from None
-    try:
-        layout.check_experts(shape.num_experts)
-    except ValueError as exc:
-        raise ConfigError(str(exc), key="parallel.ep") from None
+    check_shape_on_layout(shape, layout)
     if shape.is_moe and (shape.moe_aux_loss_coeff or shape.moe_z_loss_coeff) and not dry_run:
         key = "model.moe_aux_loss_coeff" if shape.moe_aux_loss_coeff else "model.moe_z_loss_coeff"
         raise ConfigError(

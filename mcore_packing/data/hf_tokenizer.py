@@ -40,6 +40,7 @@ class ChatTokenizer:
         self.config = json.loads(config_path.read_text()) if config_path.is_file() else {}
         template_path = self.folder / "chat_template.jinja"
         self.chat_template = template_path.read_text() if template_path.is_file() else self.config.get("chat_template")
+        self._template = None  # compiled on first use: jinja's compile costs more than a render
 
     @property
     def vocab_size(self) -> int:
@@ -60,7 +61,7 @@ class ChatTokenizer:
                 f"{self.folder} has no chat template (tokenizer_config.json 'chat_template' or chat_template.jinja); "
                 "conversation data needs one. Use a chat/instruct checkpoint or plain-text data."
             )
-        if getattr(self, "_template", None) is None:  # compiled once: jinja's compile costs more than a render
+        if self._template is None:
             self._template = _environment().from_string(self.chat_template)
         return self._template.render(
             messages=messages,

@@ -25,7 +25,6 @@ __all__ = [
     "champ_conversations",
     "get_tokenizer",
     "read_jsonl_field",
-    "read_jsonl_texts",
     "real_corpus_lengths",
     "stdlib_source_texts",
 ]
@@ -109,11 +108,6 @@ def real_corpus_lengths(corpus: str, encoding: str = DEFAULT_ENCODING) -> np.nda
     lengths = np.asarray(counts, dtype=np.int64)
     lengths.setflags(write=False)
     return lengths
-
-
-def read_jsonl_texts(path: str, field: str) -> list[str]:
-    """The ``field`` of every record of a JSONL file, as text; errors name the file, line and fix."""
-    return [str(value) for _, value in read_jsonl_field(path, field, key="--field")]
 
 
 def read_jsonl_field(path: str, field: str, *, key: str = "the field name") -> list[tuple[int, object]]:

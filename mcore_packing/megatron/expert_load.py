@@ -21,40 +21,41 @@ class ExpertLoadMeter:
     global layers with ``num_experts`` routed experts each."""
 
     def __init__(self, model, num_layers: int, num_experts: int):
-        self.counts = torch.zeros(num_layers, num_experts, dtype=torch.float64)
-        self.moe_layers: list[int] = []
+        self.shape = (num_layers, num_experts)
+        self.counts: torch.Tensor | None = None  # on the routers' device, made by the first forward
         self._hooks = []
         module = getattr(model, "module", model)
         for layer in module.decoder.layers:
             router = getattr(layer.mlp, "router", None)
-            if router is None:
-                continue
-            index = layer.layer_number - 1  # Megatron's global, 1-based layer number
-            self.moe_layers.append(index)
-            self._hooks.append(router.register_forward_hook(self._hook(index)))
+            if router is not None:  # Megatron's global, 1-based layer number
+                self._hooks.append(router.register_forward_hook(self._hook(layer.layer_number - 1)))
 
     def _hook(self, index: int):
         def count(module, args, output):
             routing_map = output[1].detach()  # [tokens, experts] bool: the top-k experts of each token
             pads = args[1] if len(args) > 1 else None  # the micro-batch's padding mask (True at pad tokens)
-            if pads is not None:
-                routing_map = routing_map[~pads.reshape(-1)]
-            self.counts[index] += routing_map.sum(0).to(device="cpu", dtype=torch.float64)
+            if pads is not None:  # masked, not indexed: no device synchronization on the forward path
+                routing_map = routing_map & ~pads.reshape(-1, 1)
+            if self.counts is None:
+                self.counts = torch.zeros(self.shape, dtype=torch.int64, device=routing_map.device)
+            self.counts[index] += routing_map.sum(0)
 
         return count
 
     def reset(self) -> None:
-        self.counts.zero_()
+        if self.counts is not None:
+            self.counts.zero_()
 
     def metrics(self, device: torch.device | str = "cpu") -> dict:
         """``expert_load_max_over_mean`` (the worst MoE layer) and ``expert_load_mean_max_over_mean`` (the
         mean over MoE layers) of the counts since the last `reset`, summed over every rank."""
         import torch.distributed as dist
 
-        counts = self.counts.to(device)
+        counts = torch.zeros(self.shape, dtype=torch.int64) if self.counts is None else self.counts
+        counts = counts.to(device)
         if dist.is_initialized():
             dist.all_reduce(counts)
-        counts = counts.cpu()
+        counts = counts.cpu().double()
         layers = [i for i in range(counts.shape[0]) if counts[i].sum() > 0]
         if not layers:
             return {}

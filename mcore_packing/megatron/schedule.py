@@ -83,7 +83,8 @@ def forward_backward(
     device = _device(device)
     totals = StepTotals.all_reduce(*local_step_counts(plan, samples, process_groups), process_groups.dp_cp)
     micro = plan.for_rank(process_groups.dp_rank)
-    build = partial(prepare_micro_batch, totals=totals, normalization=loss.token_weights, device=device)
+    build = partial(prepare_micro_batch, totals=totals, normalization=loss.token_weights, device=device,
+                    padding_mask=_is_moe(model_config))  # fmt: skip
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
 
@@ -124,9 +125,10 @@ def compute_logprobs(
     last pipeline stage computes it, CP shards are gathered, DP ranks' rows are summed together, and the
     result is broadcast over the pipeline.
     """
-    _check_step(model, samples, plan)
+    model_config = _check_step(model, samples, plan)
     device = _device(device)
-    build = partial(prepare_micro_batch, totals=None, normalization=None, device=device)
+    build = partial(prepare_micro_batch, totals=None, normalization=None, device=device,
+                    padding_mask=_is_moe(model_config))  # fmt: skip
     micro = plan.for_rank(process_groups.dp_rank)
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32)
@@ -180,9 +182,8 @@ def _forward_step(loss_func, process_groups: ProcessGroups):
 
     def forward_step(data_iterator, model_chunk):
         prep = next(data_iterator)
-        extra = {"padding_mask": _router_padding_mask(prep, model_chunk, process_groups)}
-        if extra["padding_mask"] is None:
-            extra = {}
+        mask = _router_padding_mask(prep, model_chunk, process_groups)
+        extra = {} if mask is None else {"padding_mask": mask}
         output = model_chunk(
             prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params, **extra
         )
@@ -191,14 +192,20 @@ def _forward_step(loss_func, process_groups: ProcessGroups):
     return forward_step
 
 
+def _is_moe(model_config) -> bool:
+    """Whether the model has Mixture-of-Experts layers (their routers take the micro-batch's padding mask)."""
+    return bool(getattr(model_config, "num_moe_experts", None))
+
+
 def _router_padding_mask(prep, model_chunk, process_groups: ProcessGroups):
-    """The padding mask an MoE model chunk's routers get (None for a dense model): the first pipeline stage
-    takes it whole (Megatron splits it over sequence-parallel ranks there); a later stage under sequence
-    parallelism gets this TP rank's share, which Megatron does not cut for it."""
-    config = getattr(model_chunk, "config", None)
-    if not getattr(config, "num_moe_experts", None) or prep.padding_mask is None:
-        return None
+    """The padding mask an MoE model chunk's routers get (None when the micro-batch has none: a dense
+    model): the first pipeline stage takes it whole (Megatron splits it over sequence-parallel ranks
+    there); a later stage under sequence parallelism gets this TP rank's share, which Megatron does not
+    cut for it."""
     mask = prep.padding_mask
+    if mask is None:
+        return None
+    config = getattr(model_chunk, "config", None)
     if getattr(config, "sequence_parallel", False) and not getattr(model_chunk.module, "pre_process", True):
         size, rank = process_groups.tp_size, group_rank(process_groups.tp)
         width = mask.shape[1] // size

@@ -68,11 +68,12 @@ PATCHED_MODULES = (
 """Megatron modules whose ``torch`` global is redirected while the adapter is active."""
 
 _REPLACED_FUNCTIONS = (
-    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu"),
-    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim"),
-    ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim"),
+    ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", "_host_split_sizes"),
+    ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", "_uneven_gather"),
+    ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim", "_uneven_reduce_scatter"),
 )
-"""Module-level functions replaced while the adapter is active (restored by ``uninstall``)."""
+"""(module, function, the `CpuDeviceAdapter` method that wraps it) of the module-level functions replaced
+while the adapter is active (restored by ``uninstall``)."""
 
 _FACTORIES = ("zeros", "ones", "empty", "tensor", "full", "arange", "zeros_like", "ones_like", "empty_like")
 _CPU = torch.device("cpu")
@@ -223,14 +224,14 @@ class CpuDeviceAdapter:
         if "Tensor.type" not in self._saved:
             self._saved["Tensor.type"] = torch.Tensor.type
             torch.Tensor.type = self._tensor_type(torch.Tensor.type)
-        for module_name, function in _REPLACED_FUNCTIONS:
+        for module_name, function, wrapper in _REPLACED_FUNCTIONS:
             key = f"{module_name}:{function}"
             if key not in self._saved:
                 module = importlib.import_module(module_name)
                 self._saved[key] = getattr(module, function)
-                setattr(module, function, getattr(self, f"_{function.strip('_')}")(self._saved[key], module_name))
+                setattr(module, function, getattr(self, wrapper)(self._saved[key], module_name))
 
-    def _gather_along_first_dim(self, original, module: str):
+    def _uneven_gather(self, original, module: str):
         """Uneven all-gather (``output_split_sizes``: MoE tokens under TP x EP) as gloo can do it: every
         piece padded to the largest, one even all-gather, the padding cut off. Even gathers are Megatron's."""
         adapter = self
@@ -248,7 +249,7 @@ class CpuDeviceAdapter:
 
         return gather
 
-    def _reduce_scatter_along_first_dim(self, original, module: str):
+    def _uneven_reduce_scatter(self, original, module: str):
         """Uneven reduce-scatter (``input_split_sizes``) as gloo can do it: an all-reduce of the whole
         tensor, then this rank's rows (the same sums). Even reduce-scatters are Megatron's."""
         adapter = self
@@ -265,7 +266,7 @@ class CpuDeviceAdapter:
 
         return reduce_scatter
 
-    def _maybe_move_tensor_to_cpu(self, original, module: str):
+    def _host_split_sizes(self, original, module: str):
         """Megatron's MoE dispatcher copies its split sizes device-to-host as numpy arrays, but only when
         they are CUDA tensors: on a CPU they stayed tensors, which gloo's ``all_to_all_single`` refuses as
         split sizes. Here a CPU tensor asked for ``as_numpy`` becomes the numpy array it would have been."""
