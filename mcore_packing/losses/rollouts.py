@@ -91,11 +91,15 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True, names: Seq
 
 def _check_one(r: Rollout, where: str) -> None:
     """One rollout's problems (the first found), located by ``where``."""
-    for key in ("prompt_tokens", "response_tokens", "generation_logprobs"):
+    for key, items in (("prompt_tokens", "token ids"), ("response_tokens", "token ids"),
+                       ("generation_logprobs", "numbers")):  # fmt: skip
         value = getattr(r, key)
-        if not (isinstance(value, Sequence) and not isinstance(value, str)) and (value is not None or key[0] != "g"):
-            raise ValueError(f"{where} (group {r.group_id!r}): {key} is {str(value)[:60]}; it must be a list "
-                             f"of {'numbers' if key[0] == 'g' else 'token ids'}.")  # fmt: skip
+        if value is None and key == "generation_logprobs":  # optional
+            continue
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ValueError(
+                f"{where} (group {r.group_id!r}): {key} is {str(value)[:60]}; it must be a list of {items}."
+            )
     if len(r.response_tokens) == 0:
         raise ValueError(f"{where} (group {r.group_id!r}) has an empty response: drop it before the step.")
     if len(r.prompt_tokens) == 0:
