@@ -165,15 +165,18 @@ def test_moe_shape_settings_are_checked():
     assert ModelShape(**base, moe_dense_layers=[0]).moe_dense_layers == (0,)  # Hydra's lists become tuples
 
 
-def test_the_default_model_becomes_an_moe_with_its_keys_and_a_balance_loss_is_refused_by_name(tmp_path, capsys):
+def test_the_default_model_becomes_an_moe_with_its_keys_and_a_split_dependent_balance_loss_is_refused(tmp_path,
+                                                                                                      capsys):
     from mcore_packing.app.train_command import main
 
     moe = ["model.num_experts=4", "model.gated_mlp=true", "model.linear_bias=false", f"run_dir={tmp_path}"]
     assert main(["--dry-run", *moe]) == 0
     assert main(["--dry-run", "model.num_experts=4"]) == 2
     assert "set model.gated_mlp=true model.linear_bias=false" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as stop:  # the Hydra path exits with the code
-        main([*moe, "model.moe_aux_loss_coeff=0.01"])
-    assert stop.value.code == 2
-    err = capsys.readouterr().err
-    assert "model.moe_aux_loss_coeff=0.01: the router's balance and z-losses are not yet exact" in err
+    assert main(["--dry-run", *moe, "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]) == 0
+    for kind, reason in [("aux_loss", "computed per micro-batch"), ("global_aux_loss", "seen so far in the step")]:
+        assert main([*moe, f"model.moe_load_balancing={kind}", "model.moe_aux_loss_coeff=0.01"]) == 2
+        err = capsys.readouterr().err
+        assert f"model.moe_load_balancing={kind}: Megatron's {kind} " in err and reason in err, err
+        assert "use model.moe_load_balancing=seq_aux_loss" in err.lower()
+    assert main(["--dry-run", *moe, "model.moe_load_balancing=aux_loss", "model.moe_aux_loss_coeff=0"]) == 0

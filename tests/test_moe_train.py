@@ -4,7 +4,9 @@ transformers loads; expert parallelism over 2 gloo ranks gives the losses, gradi
 of one rank
 (dropless routing and the global token-mean loss: nothing depends on where an expert lives), packed and
 dynamically batched; a checkpoint resumes exactly at its parallel.ep and is refused, naming the key, at
-another; a balance loss (not yet exact under packing) is refused naming the key."""
+another; the per-sequence balance and z-losses train through the command line (reported per step, equal at
+EP2), and the balance losses that depend on the batch split are refused naming the key (the exactness of
+the router losses against an unpacked reference: test_moe_equivalence.py)."""
 
 from __future__ import annotations
 
@@ -68,11 +70,16 @@ def test_an_moe_checkpoint_trains_and_exports(tmp_path, moe_model):
 @pytest.mark.parametrize("mode", [[], ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"]],
                          ids=["packed", "dynamic"])  # fmt: skip
 def test_expert_parallel_ranks_give_the_losses_of_one_rank(tmp_path, moe_model, mode):
-    one = train(tmp_path / "one", f"model.hf_path={moe_model}", *MOE, *mode)
-    two = train(tmp_path / "two", f"model.hf_path={moe_model}", *MOE, *mode, "parallel.ep=2", torchrun=2)
+    router = ["model.moe_aux_loss_coeff=0.05", "model.moe_z_loss_coeff=0.001"]
+    one = train(tmp_path / "one", f"model.hf_path={moe_model}", *MOE, *mode, *router)
+    two = train(tmp_path / "two", f"model.hf_path={moe_model}", *MOE, *mode, *router, "parallel.ep=2", torchrun=2)
     assert one.returncode == 0 and two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert _noise(two.stderr) == [], two.stderr[-2000:]
     assert _close(_rows(tmp_path / "two"), _rows(tmp_path / "one")), (_rows(tmp_path / "two"), _rows(tmp_path / "one"))
+    balance = {run: [(r["moe_balance_loss"], r["moe_z_loss"]) for r in metrics(tmp_path / run)]
+               for run in ("one", "two")}  # fmt: skip
+    assert _close(balance["two"], balance["one"]) and all(b >= 1.0 for b, _ in balance["one"])  # 1.0: even
+    assert "balance loss" in one.stderr + one.stdout
     # every real token is counted once for each of its top-2 experts in the one MoE layer, pads not (the
     # routers get the padding mask): the loads are the same whichever rank holds the experts, packed or in
     # dynamic batching's padded rows (whose pads differ with the split)
@@ -99,16 +106,14 @@ def test_a_checkpoint_resumes_at_its_expert_parallel_size_and_is_refused_at_anot
     assert _close(_rows(tmp_path / "run")[-2:], _rows(tmp_path / "straight")[-2:])
 
 
-def test_a_balance_loss_is_refused_until_it_is_exact_when_packed(tmp_path, moe_model, capsys):
+def test_a_split_dependent_balance_loss_is_refused_and_the_per_sequence_one_is_run(tmp_path, moe_model):
     from mcore_packing.app.config import ConfigError
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.app.trainer import prepare_run
 
-    cfg = compose_config(None, [f"model.hf_path={moe_model}", *MOE, "model.moe_aux_loss_coeff=0.01",
-                                f"run_dir={tmp_path}"])  # fmt: skip
-    with pytest.raises(ConfigError, match=r"model\.moe_aux_loss_coeff=0\.01: the router's balance") as err:
-        prepare_run(cfg, 1)
-    assert err.value.key == "model.moe_aux_loss_coeff"
-    assert prepare_run(cfg, 1, dry_run=True).shape.moe_aux_loss_coeff == 0.01  # planned; the run's setting wins
-    fine = compose_config(None, [f"model.hf_path={moe_model}", *MOE, f"run_dir={tmp_path}"])
-    assert prepare_run(fine, 1).shape.num_experts == 4  # control: without it the run is accepted
+    base = [f"model.hf_path={moe_model}", *MOE, "model.moe_aux_loss_coeff=0.01", f"run_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"model\.moe_load_balancing=aux_loss: Megatron's aux_loss is computed per"):
+        compose_config(None, [*base, "model.moe_load_balancing=aux_loss"])
+    shape = prepare_run(compose_config(None, base), 1).shape  # control: the default, seq_aux_loss, runs
+    # the run's setting, not config.json's
+    assert (shape.moe_load_balancing, shape.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)

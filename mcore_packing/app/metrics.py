@@ -27,6 +27,8 @@ _TENSORBOARD_KEYS = (
     "loss",
     "expert_load_max_over_mean",
     "expert_load_mean_max_over_mean",
+    "moe_balance_loss",
+    "moe_z_loss",
     "lr",
     "grad_norm",
     "tokens_per_s",
@@ -115,6 +117,10 @@ def _console_text(r: dict) -> str:
         text += f" | grad norm {r['grad_norm']:.3f}"
     if "expert_load_max_over_mean" in r:
         text += f" | expert load max/mean {r['expert_load_max_over_mean']:.2f}"
+    if "moe_balance_loss" in r:
+        text += f" | balance loss {r['moe_balance_loss']:.4f}"
+    if "moe_z_loss" in r:
+        text += f" | z-loss {r['moe_z_loss']:.3f}"
     if r["predicted_step_time_s"] is not None:
         text += f" | step {r['step_time_s']:.2f}s (predicted {r['predicted_step_time_s']:.2f}s)"
     return (

@@ -88,14 +88,6 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
     check_shape_on_layout(shape, layout)
-    if shape.is_moe and (shape.moe_aux_loss_coeff or shape.moe_z_loss_coeff) and not dry_run:
-        key = "model.moe_aux_loss_coeff" if shape.moe_aux_loss_coeff else "model.moe_z_loss_coeff"
-        raise ConfigError(
-            f"{key}={getattr(shape, key.split('.')[1])}: the router's balance and z-losses are not yet exact when "
-            "sequences are packed (Megatron computes them over the whole packed row), so this version trains "
-            f"MoE models without them: set {key}=0. The main loss and its gradients are exact (dropless routing).",
-            key=key,
-        )
     if cfg.model.hf_path is not None:
         try:
             check_safetensors(cfg.model.hf_path)
@@ -156,14 +148,14 @@ def train(cfg: TrainConfig) -> dict:
             log.info("resumed from %s at step %d", inputs.resume, start)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
         metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.policy.device)
-        experts = _expert_meter(setup.policy, inputs.shape)
+        meters = _moe_meters(setup.policy, inputs.shape)
         for step in range(start + 1, cfg.training.steps + 1):
             batch_ids = inputs.data.sample_ids(sampler.next_batch())
-            if experts is not None:
-                experts.reset()
+            for meter in meters:
+                meter.reset()
             plan, outcome, extra_metrics = take_step(batch_ids)
-            if experts is not None:  # a collective, on every rank
-                extra_metrics = {**(extra_metrics or {}), **experts.metrics(setup.policy.device)}
+            for meter in meters:  # a collective, on every rank
+                extra_metrics = {**(extra_metrics or {}), **meter.metrics(setup.policy.device)}
             metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
             summary["losses"].append(outcome.result.loss)
             summary["steps"].append(step)
@@ -181,13 +173,17 @@ def train(cfg: TrainConfig) -> dict:
     return summary
 
 
-def _expert_meter(policy, shape: ModelShape):
-    """The step's expert-load meter of an MoE model (None for a dense one)."""
+def _moe_meters(policy, shape: ModelShape) -> list:
+    """The step's meters of an MoE model (none for a dense one): the expert load, and the router losses
+    when the model trains with them."""
     if not shape.is_moe:
-        return None
+        return []
     from ..megatron.expert_load import ExpertLoadMeter
+    from ..megatron.router_loss import attached_router_loss
 
-    return ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts)
+    router_loss = attached_router_loss(policy.model)
+    meters = [ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts)]
+    return meters + ([router_loss] if router_loss is not None else [])
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:

@@ -86,7 +86,8 @@ def moe_config(shape: ModelShape, layout: ParallelLayout) -> dict:
     routing in fp32 (no capacity factor: every token reaches its k experts whatever the batch split), the
     all-to-all dispatcher, experts split over ``layout.ep`` ranks (expert TP = TP), per-layer MoE/dense
     pattern. A softmax router with top-k renormalization is Megatron's top-k-then-softmax; without it,
-    softmax-then-top-k (``moe_router_pre_softmax``)."""
+    softmax-then-top-k (``moe_router_pre_softmax``). Megatron's own balance and z-losses stay off: the
+    shape's are `router_loss.RouterLoss`, exact under packing (`build_gpt_model` installs it)."""
     if not shape.is_moe:
         return {}
     return dict(
@@ -100,9 +101,9 @@ def moe_config(shape: ModelShape, layout: ParallelLayout) -> dict:
         moe_router_pre_softmax=shape.moe_router_score == "softmax" and not shape.moe_router_topk_norm,
         moe_router_enable_expert_bias=shape.moe_router_expert_bias,
         moe_router_dtype="fp32",
-        moe_router_load_balancing_type=shape.moe_load_balancing if shape.moe_aux_loss_coeff else "none",
-        moe_aux_loss_coeff=shape.moe_aux_loss_coeff,
-        moe_z_loss_coeff=shape.moe_z_loss_coeff or None,
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         expert_model_parallel_size=layout.ep,
@@ -186,6 +187,11 @@ def build_gpt_model(
     )
     if model.post_process and padded_vocab_size(shape.vocab_size, tp) != shape.vocab_size:
         _mask_padded_vocab(model.output_layer, shape.vocab_size, tp, group_rank(pgs.tp))
+    if shape.is_moe:
+        from .router_loss import RouterLoss, RouterLossConfig
+
+        RouterLoss.install(model, RouterLossConfig.from_shape(shape), reduce_group=pgs.collection.tp_cp,
+                           num_moe_layers=sum(shape.moe_layers()))  # fmt: skip
     if device is not None:
         model = model.to(device)
     ddp = DistributedDataParallel(

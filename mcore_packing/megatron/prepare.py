@@ -50,7 +50,13 @@ class PreparedMicroBatch:
     full_loss_mask: torch.Tensor  # [T] (THD) or [rows, width] (BSHD)
     local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
     group_ids: tuple | None = None  # the plan's group id of every sample of the step (indexed by sample id)
-    padding_mask: torch.Tensor | None = None  # like ``tokens``: True at pad tokens (Megatron's MoE routers skip them)
+    segments: torch.Tensor | None = None  # like ``tokens`` (int64): each token's sequence in the micro-batch
+    # (its index in ``sample_ids``), -1 at pad tokens; built for MoE models (router statistics, balance loss)
+
+    @property
+    def padding_mask(self) -> torch.Tensor | None:
+        """True at pad tokens (Megatron's MoE routers keep them out of their statistics)."""
+        return None if self.segments is None else self.segments < 0
 
 
 def prepare_micro_batch(
@@ -63,21 +69,21 @@ def prepare_micro_batch(
     normalization: LossNormalization | str | None,
     device: torch.device,
     pad_token_id: int = 0,
-    padding_mask: bool = False,
+    segments: bool = False,
 ) -> PreparedMicroBatch:
     """Build ``mb``'s tensors for this rank (see the module docstring). Per-token weights are built for
-    ``normalization`` when ``totals`` are given (the NLL losses); None builds none. ``padding_mask``: also
-    the mask of pad tokens (for MoE routers; dense models need none)."""
+    ``normalization`` when ``totals`` are given (the NLL losses); None builds none. ``segments``: also
+    each token's sequence index, -1 at pads (for MoE routers; dense models need none)."""
     chosen = [samples[i] for i in mb.sample_indices]
     prepare = _prepare_thd if plan.config.mode == "packing" else _prepare_bshd
     weigh = totals is not None and normalization is not None
     prep = prepare(mb, chosen, plan, process_groups, totals if weigh else None, normalization, device, pad_token_id,
-                   padding_mask)  # fmt: skip
+                   segments)  # fmt: skip
     return replace(prep, group_ids=plan.groups) if plan.groups is not None else prep  # the plan's own tuple
 
 
 def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id,
-                 padding_mask) -> PreparedMicroBatch:  # fmt: skip
+                 segments) -> PreparedMicroBatch:  # fmt: skip
     config = plan.config
     batch = build_packed_batch(
         chosen,
@@ -96,12 +102,12 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device
         index = thd_partition_indices(batch.cu_seqlens_padded, batch.total_tokens, cp_size, cp_rank)
         weights = weights[:, index] if weights is not None else None
     local = slice_for_cp(batch, cp_size, cp_rank, index=index)
-    pad = None
-    if padding_mask:
-        pad = torch.ones(batch.total_tokens, dtype=torch.bool)
-        for start, length in zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False):
-            pad[start : start + length] = False
-        pad = (pad if index is None else pad[index])[None].to(device)
+    seg = None
+    if segments:
+        seg = torch.full((batch.total_tokens,), -1, dtype=torch.int64)
+        for i, (start, length) in enumerate(zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False)):
+            seg[start : start + length] = i
+        seg = (seg if index is None else seg[index])[None].to(device)
     return PreparedMicroBatch(
         plan=mb,
         tokens=local.tokens.to(device),
@@ -115,12 +121,12 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device
         real_lengths=batch.seq_lengths,
         full_loss_mask=batch.loss_mask[0].to(device),
         local_valid_tokens=int(local.loss_mask.sum().item()),
-        padding_mask=pad,
+        segments=seg,
     )
 
 
 def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id,
-                  padding_mask) -> PreparedMicroBatch:  # fmt: skip
+                  segments) -> PreparedMicroBatch:  # fmt: skip
     rows, width = mb.shape
     # Each BSHD row is a one-sequence packed row padded to the micro-batch width (same label shift).
     built = [build_packed_batch([s], pad_to=width, pad_token_id=pad_token_id) for s in chosen]
@@ -143,13 +149,15 @@ def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, devic
         real_lengths=tuple(b.seq_lengths[0] for b in built),
         full_loss_mask=loss_mask.to(device),
         local_valid_tokens=int(local_mask.sum().item()),
-        padding_mask=_bshd_pads(built, width, split).to(device) if padding_mask else None,
+        segments=_bshd_segments(built, width, split).to(device) if segments else None,
     )
 
 
-def _bshd_pads(built, width: int, split) -> torch.Tensor:
-    """True past each row's sequence (this CP rank's columns)."""
-    return split(torch.arange(width)[None] >= torch.tensor([b.seq_lengths[0] for b in built])[:, None])
+def _bshd_segments(built, width: int, split) -> torch.Tensor:
+    """Row ``i``'s tokens are sequence ``i``; -1 past each row's sequence (this CP rank's columns)."""
+    rows = torch.arange(len(built))[:, None].expand(len(built), width)
+    real = torch.arange(width)[None] < torch.tensor([b.seq_lengths[0] for b in built])[:, None]
+    return split(torch.where(real, rows, -1))
 
 
 def per_sample_logprobs(

@@ -33,6 +33,7 @@ from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
+from .router_loss import attached_router_loss
 from .step_loss import StepLoss, TokenMeanNLL
 
 __all__ = ["StepResult", "compute_logprobs", "forward_backward"]
@@ -84,9 +85,13 @@ def forward_backward(
     totals = StepTotals.all_reduce(*local_step_counts(plan, samples, process_groups), process_groups.dp_cp)
     micro = plan.for_rank(process_groups.dp_rank)
     build = partial(prepare_micro_batch, totals=totals, normalization=loss.token_weights, device=device,
-                    padding_mask=_is_moe(model_config))  # fmt: skip
+                    segments=_is_moe(model_config))  # fmt: skip
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
+    router_losses = [] if forward_only else _router_losses(model)
+    for router_loss in router_losses:  # the factor the schedule's normalization divides an attached loss by
+        scale = totals.num_tokens if per_token else process_groups.dp_size * len(prepared)
+        router_loss.begin_step(num_sequences=len(samples), num_tokens=sum(plan.lengths), output_scale=scale)
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
         return megatron_loss_output(
@@ -98,7 +103,11 @@ def forward_backward(
             calculate_per_token_loss=per_token,
         )
 
-    store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only)
+    try:
+        store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only)
+    finally:
+        for router_loss in router_losses:
+            router_loss.end_step()
     return StepResult(
         loss=_step_loss(store, process_groups),
         num_tokens=totals.num_tokens,
@@ -128,7 +137,7 @@ def compute_logprobs(
     model_config = _check_step(model, samples, plan)
     device = _device(device)
     build = partial(prepare_micro_batch, totals=None, normalization=None, device=device,
-                    padding_mask=_is_moe(model_config))  # fmt: skip
+                    segments=_is_moe(model_config))  # fmt: skip
     micro = plan.for_rank(process_groups.dp_rank)
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32)
@@ -178,12 +187,17 @@ def _run_schedule(
 def _forward_step(loss_func, process_groups: ProcessGroups):
     """Megatron's ``forward_step_func``: the next prepared micro-batch through the model chunk; the
     per-token losses go to ``loss_func(prepared, output)`` on the last stage. An MoE model also gets the
-    micro-batch's padding mask, so its routers keep pad tokens out of their statistics."""
+    micro-batch's padding mask, so its routers keep pad tokens out of their statistics, and its router
+    loss (`router_loss`), if any, this stage's share of the micro-batch's segments."""
 
     def forward_step(data_iterator, model_chunk):
         prep = next(data_iterator)
         mask = _router_padding_mask(prep, model_chunk, process_groups)
         extra = {} if mask is None else {"padding_mask": mask}
+        router_loss = attached_router_loss(model_chunk)
+        if router_loss is not None and prep.segments is not None:
+            router_loss.begin_micro_batch(_router_segments(prep, model_chunk, process_groups),
+                                          torch.tensor(prep.real_lengths))  # fmt: skip
         output = model_chunk(
             prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params, **extra
         )
@@ -205,12 +219,35 @@ def _router_padding_mask(prep, model_chunk, process_groups: ProcessGroups):
     mask = prep.padding_mask
     if mask is None:
         return None
-    config = getattr(model_chunk, "config", None)
-    if getattr(config, "sequence_parallel", False) and not getattr(model_chunk.module, "pre_process", True):
-        size, rank = process_groups.tp_size, group_rank(process_groups.tp)
-        width = mask.shape[1] // size
-        mask = mask[:, rank * width : (rank + 1) * width]
+    first_stage = getattr(getattr(model_chunk, "module", model_chunk), "pre_process", True)
+    if _sequence_parallel(model_chunk) and not first_stage:
+        mask = _tp_rank_share(mask, process_groups)
     return mask
+
+
+def _router_segments(prep, model_chunk, process_groups: ProcessGroups) -> torch.Tensor:
+    """The micro-batch's segments in the order this stage's routers see the tokens: ``[seq, batch]``
+    flattened, this TP rank's sequence slice under sequence parallelism (every stage)."""
+    segments = prep.segments
+    if _sequence_parallel(model_chunk):
+        segments = _tp_rank_share(segments, process_groups)
+    return segments.transpose(0, 1).reshape(-1)
+
+
+def _sequence_parallel(model_chunk) -> bool:
+    return bool(getattr(getattr(model_chunk, "config", None), "sequence_parallel", False))
+
+
+def _tp_rank_share(tensor: torch.Tensor, process_groups: ProcessGroups) -> torch.Tensor:
+    """This TP rank's slice of a ``[batch, seq]`` tensor along the sequence (sequence parallelism)."""
+    width = tensor.shape[1] // process_groups.tp_size
+    rank = group_rank(process_groups.tp)
+    return tensor[:, rank * width : (rank + 1) * width]
+
+
+def _router_losses(model) -> list:
+    chunks = model if isinstance(model, list) else [model]
+    return [loss for loss in (attached_router_loss(chunk) for chunk in chunks) if loss is not None]
 
 
 def _step_loss(store: list[dict], process_groups: ProcessGroups) -> float:

@@ -11,14 +11,42 @@ from dataclasses import asdict, dataclass
 
 from ..validators import require_choice, require_positive_int, require_positive_number
 
-__all__ = ["FAMILIES", "MOE_LOAD_BALANCING", "MOE_SCORES", "MOE_TRAINING_FIELDS", "NORMALIZATIONS", "ModelShape"]
+__all__ = [
+    "FAMILIES",
+    "MOE_LOAD_BALANCING",
+    "MOE_SCORES",
+    "MOE_TRAINING_FIELDS",
+    "NORMALIZATIONS",
+    "ModelShape",
+    "check_balance_loss",
+]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
 """``gpt``: Megatron's defaults (biases on every linear); the others are Hugging Face model types."""
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING = ("seq_aux_loss", "global_aux_loss", "aux_loss", "none")
-"""Megatron's names: per sequence, per global batch, per micro-batch (not split-invariant), or none."""
+"""Megatron's names: per sequence, per global batch, per micro-batch (not split-invariant), or none.
+Only ``seq_aux_loss`` trains (`mcore_packing.megatron.router_loss`); the others are refused with a
+coefficient > 0 (`check_balance_loss`)."""
+_SPLIT_DEPENDENT = {
+    "aux_loss": "Megatron's aux_loss is computed per micro-batch, so its value and gradients change with which "
+    "sequences share a micro-batch (packing, the token budget, DP)",
+    "global_aux_loss": "Megatron's global_aux_loss averages the expert counts of the micro-batches seen so far in "
+    "the step (an exact global-batch loss needs every token's routing before the first backward), so it also "
+    "depends on the batch split",
+}
+
+
+def check_balance_loss(kind: str, coeff: float, prefix: str = "model.") -> None:
+    """Refuse a balance loss that cannot be exact under packing (a coefficient > 0 on a split-dependent
+    type), naming the keys and the fix."""
+    if coeff > 0 and kind in _SPLIT_DEPENDENT:
+        raise ValueError(
+            f"{prefix}moe_load_balancing={kind}: {_SPLIT_DEPENDENT[kind]}; it cannot be exact under packing. Use "
+            f"{prefix}moe_load_balancing=seq_aux_loss (per sequence, exact whatever the split), or set "
+            f"{prefix}moe_aux_loss_coeff=0."
+        )
 MOE_TRAINING_FIELDS = ("moe_load_balancing", "moe_aux_loss_coeff", "moe_z_loss_coeff")
 """How an MoE model is trained, not what it is: a checkpoint's config.json does not set them (the run's
 config does, with or without ``model.hf_path``)."""
@@ -133,6 +161,7 @@ class ModelShape:
         for name in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"model.{name}={getattr(self, name)} must be >= 0 (0 turns it off).")
+        check_balance_loss(self.moe_load_balancing, self.moe_aux_loss_coeff)
         if self.num_experts is None:
             moe_set = [k for k in ("moe_ffn_hidden_size", "moe_shared_expert_size") if getattr(self, k) is not None]
             if moe_set or self.moe_dense_layers or self.moe_shared_expert_gate:

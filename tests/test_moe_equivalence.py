@@ -1,0 +1,94 @@
+"""Mixture-of-Experts: the loss, the router losses (per-sequence balance loss and z-loss) and every
+gradient of a training step equal an unpacked reference, on real Megatron schedules and real gloo ranks.
+
+Reference: `moe_workers.reference_worker` (stock Megatron MoE model, one sequence per forward, the router
+losses in plain torch). Under test: `router_loss.RouterLoss` with the planner, builder and schedule driver
+at EP1, EP2, TP2 x EP2 (sequence parallel), EP2 x CP2 and PP2 x EP2, packed and dynamically batched, with
+several micro-batches per rank. The negative control computes the balance loss over each packed row as one
+sequence (what Megatron 0.16's ``seq_aux_loss`` does with THD rows) and must fail.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .distributed_harness import run_distributed
+from .test_step_equivalence import SAMPLES, grad_errors
+
+pytestmark = pytest.mark.multirank
+
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return run_distributed("tests.moe_workers:reference_worker", 1, samples=SAMPLES)[0]
+
+
+def run_configs(world_size: int, configs: list[dict], reference: dict) -> list[dict]:
+    return run_distributed(
+        "tests.moe_workers:moe_step_worker",
+        world_size,
+        configs=configs,
+        samples=SAMPLES,
+        state_dict=reference["state_dict"],
+        timeout=900,
+    )[0]
+
+
+def errors(result: dict, reference: dict) -> tuple[float, float, float]:
+    """Relative errors of the main loss, the router loss and the worst gradient tensor."""
+    loss = abs(result["loss"] - reference["loss"]) / abs(reference["loss"])
+    router = abs(result["router_loss"] - reference["router_loss"]) / abs(reference["router_loss"])
+    return loss, router, max(grad_errors(result["grads"], reference["grads"]).values())
+
+
+def check(result: dict, reference: dict) -> None:
+    assert result["all_losses_equal"], result["config"]
+    errs = errors(result, reference)
+    assert max(errs) <= RTOL, (result["config"], errs)
+
+
+def test_the_reference_router_loss_matters(reference):
+    """The balance and z-losses are a visible part of the step (else the grid could not see them)."""
+    assert reference["router_loss"] > 0.05 * reference["loss"]
+
+
+ONE_RANK = [{"mode": "packing"}, {"mode": "dynamic"}, {"mode": "packing", "per_token_loss": True}]
+NEGATIVE = [{"mode": "packing", "negative": "whole_row_balance"}]
+TWO_RANKS = [{"ep": 2, "mode": "packing", "train_mb_tokens": 48}, {"ep": 2, "mode": "dynamic"}]
+FOUR_RANKS = [
+    {"tp": 2, "ep": 2, "mode": "packing", "train_mb_tokens": 48},
+    {"cp": 2, "ep": 2, "mode": "packing", "train_mb_tokens": 48},
+    {"cp": 2, "ep": 2, "mode": "dynamic"},
+    {"pp": 2, "ep": 2, "mode": "packing", "train_mb_tokens": 48},
+    {"ep": 2, "mode": "dynamic", "per_token_loss": True},
+    {"cp": 2, "ep": 2, "mode": "packing", "negative": "counts_per_cp_shard"},
+]
+"""The grid: (TP, PP, CP, EP) layouts on 1, 2 and 4 gloo ranks (DP fills the rest), both modes, both of
+Megatron's loss conventions, one or several micro-batches per rank (48- or 96-token budgets). The last
+is a second negative control: each CP rank counts the expert choices of its own chunks only."""
+
+
+def test_one_rank_packed_and_dynamic_and_the_negative_control(reference):
+    results = run_configs(1, ONE_RANK + NEGATIVE, reference)
+    for result in results[: len(ONE_RANK)]:
+        assert result["num_microbatches"] > 1
+        check(result, reference)
+    _, router_err, grad_err = errors(results[-1], reference)
+    assert router_err > 1e-3 and grad_err > 1e-3, (router_err, grad_err)
+
+
+def test_expert_parallel_two_ranks(reference):
+    for result in run_configs(2, TWO_RANKS, reference):
+        check(result, reference)
+
+
+@pytest.mark.slow
+def test_expert_parallel_with_tp_cp_pp(reference):
+    results = run_configs(4, FOUR_RANKS, reference)
+    for result in results[:-1]:
+        check(result, reference)
+    assert any(r["num_microbatches"] > 1 for r in results if r["config"].get("pp") == 2)  # 1F1B interleaves
+    _, router_err, grad_err = errors(results[-1], reference)
+    assert router_err > 1e-3 and grad_err > 1e-3, (router_err, grad_err)
