@@ -289,6 +289,11 @@ def test_a_checkpoint_of_another_model_or_data_set_is_refused_naming_the_differe
         other.check_compatible(manifest, tmp_path, _fake_setup(), GlobalBatchSampler(40, 8, 1234))
     with pytest.raises(ConfigError, match=r"optimizer\.use_distributed_optimizer: checkpoint True"):
         checkpointer.check_compatible({**manifest, "distributed_optimizer": True}, tmp_path, _fake_setup(), sampler)
+    moe = {"num_experts": 4, "gated_mlp": True, "linear_bias": False}
+    moe_manifest = {**manifest, "model_shape": _fake_setup(**moe).shape.to_dict()}
+    with pytest.raises(ConfigError, match=r"experts with the other parameters \(written by an earlier version"):
+        checkpointer.check_compatible(moe_manifest, tmp_path, _fake_setup(**moe), sampler)  # EP1, before the split
+    checkpointer.check_compatible({**moe_manifest, "expert_optimizer": "own"}, tmp_path, _fake_setup(**moe), sampler)
 
 
 def test_nothing_in_the_package_unpickles_checkpoint_files():

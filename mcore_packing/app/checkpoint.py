@@ -225,6 +225,7 @@ class Checkpointer:
             "distributed_optimizer": self.cfg.optimizer.use_distributed_optimizer,
             "layout": self.layout,
             "config": asdict(self.cfg),
+            **({"expert_optimizer": "own"} if setup.shape.is_moe else {}),
         }
 
     def save(self, step: int, setup: TrainingSetup, sampler: GlobalBatchSampler) -> Path:
@@ -273,12 +274,13 @@ class Checkpointer:
             for key, value in saved.items()
             if getattr(setup.shape, key) != value
         ]
-        saved_ep, ep = manifest.get("layout", {}).get("ep", 1), self.layout.get("ep", 1)
-        if setup.shape.is_moe and saved_ep != ep:
+        saved_ep = manifest.get("layout", {}).get("ep", 1)
+        if setup.shape.is_moe and saved_ep == 1 and manifest.get("expert_optimizer") != "own":
             differences.append(
-                f"parallel.ep: checkpoint {saved_ep}, this run {ep} (Megatron groups an MoE model's optimizer "
-                "state by expert parallelism, so it resumes only at the checkpoint's parallel.ep; "
-                "or export the checkpoint and start from the Hugging Face folder)"
+                "the checkpoint's MoE optimizer state keeps the experts with the other parameters (written by an "
+                "earlier version at parallel.ep=1); this version gives experts an optimizer of their own at "
+                "every parallel.ep. Export the checkpoint (python -m mcore_packing export) and start from the "
+                "Hugging Face folder"
             )
         if manifest["data_fingerprint"] != self.fingerprint:
             differences.append(

@@ -110,6 +110,17 @@ def moe_config(shape: ModelShape, layout: ParallelLayout) -> dict:
     )
 
 
+def _experts_apart(model) -> None:
+    """Mark the routed experts' parameters as expert-parallel at every EP size (Megatron does only at
+    EP > 1): DDP then reduces their gradients over the expert-data-parallel group (at EP 1 the same ranks
+    as DP x CP, so the gradients are unchanged) and Megatron's optimizer keeps them in an optimizer of
+    their own, so the optimizer state is laid out alike at every EP and a checkpoint reshards across EP."""
+    for module in model.modules():
+        if getattr(module, "is_expert", False):
+            for param in module.parameters(recurse=False):
+                param.allreduce = False
+
+
 def padded_vocab_size(vocab_size: int, tp: int) -> int:
     """The vocabulary rounded up to a multiple of TP (each TP rank holds an equal slice of it)."""
     return -(-vocab_size // tp) * tp
@@ -190,6 +201,7 @@ def build_gpt_model(
     if shape.is_moe:
         from .router_loss import RouterLoss, RouterLossConfig
 
+        _experts_apart(model)
         RouterLoss.install(model, RouterLossConfig.from_shape(shape), reduce_group=pgs.collection.tp_cp,
                            num_moe_layers=sum(shape.moe_layers()))  # fmt: skip
     if device is not None:
