@@ -5,7 +5,8 @@ computed tokens, micro-batches per rank, the rank balance of tokens and of atten
 step time next to the time a cost model calibrated on the earlier steps predicted for it; a GRPO step
 adds the mean reward, clip fraction, approximate KL (old vs new policy), KL to the reference, mean ratio,
 entropy estimate and the seconds of its log-prob and training passes (``step_time_s`` is the training
-pass). Only rank 0 writes.
+pass); a Mixture-of-Experts model adds the expert load (`megatron.expert_load`) and, when it trains with
+them, the balance and z-losses (`megatron.router_loss`). Only rank 0 writes.
 """
 
 from __future__ import annotations
