@@ -79,11 +79,12 @@ def single_rank():
     dist.destroy_process_group()
 
 
-def packed_vs_per_sequence(device, dtype, backend: str) -> dict:
+def packed_vs_per_sequence(device, dtype, backend: str, moe: bool = False) -> dict:
     """Relative errors of packed THD logits and parameter gradients against one forward per sequence.
 
-    The model is a real Megatron GPTModel (RMSNorm, SwiGLU, GQA, RoPE). Backward runs a fixed random
-    projection of the real positions' logits, so both sides differentiate the same function.
+    The model is a real Megatron GPTModel (RMSNorm, SwiGLU, GQA, RoPE; with ``moe`` Megatron's MoE layer,
+    4 experts, top-2, TE's experts with the te backend). Backward runs a fixed random projection of the real
+    positions' logits, so both sides differentiate the same function.
     """
     from mcore_packing.megatron import build_gpt_model, to_packed_seq_params
     from mcore_packing.planning import ModelShape
@@ -98,6 +99,7 @@ def packed_vs_per_sequence(device, dtype, backend: str) -> dict:
         max_sequence_length=1024,
         normalization="RMSNorm",
         gated_mlp=True,
+        **({"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 128, "linear_bias": False} if moe else {}),
     )
     model, _ = build_gpt_model(shape, dtype=dtype, attention_backend=backend, device=device)
     g = torch.Generator().manual_seed(0)
@@ -139,6 +141,18 @@ def test_packed_gpt_matches_per_sequence_on_the_gpu(single_rank, dtype, backend)
     if backend == "te" and not compat.te_available():
         pytest.skip("TransformerEngine is not installed")
     errors = packed_vs_per_sequence(torch.device("cuda"), getattr(torch, dtype), backend)
+    rtol = FP32_RTOL if dtype == "float32" else BF16_RTOL
+    grad_rtol = 1e-4 if dtype == "float32" else 5e-2
+    assert errors["logits"] <= rtol and errors["grads"] <= grad_rtol, errors
+
+
+@pytest.mark.parametrize("dtype, backend", [("float32", "local"), ("bfloat16", "te")])
+def test_packed_moe_gpt_matches_per_sequence_on_the_gpu(single_rank, dtype, backend):
+    """A Mixture-of-Experts model on the GPU: dropless routing sends every token to the same experts packed
+    or alone, so packed THD rows give each sequence's own logits and gradients (TE's experts with te)."""
+    if backend == "te" and not compat.te_available():
+        pytest.skip("TransformerEngine is not installed")
+    errors = packed_vs_per_sequence(torch.device("cuda"), getattr(torch, dtype), backend, moe=True)
     rtol = FP32_RTOL if dtype == "float32" else BF16_RTOL
     grad_rtol = 1e-4 if dtype == "float32" else 5e-2
     assert errors["logits"] <= rtol and errors["grads"] <= grad_rtol, errors
