@@ -4,6 +4,7 @@
                                                                                    on rollouts) or check a config
     python -m mcore_packing plan  [--recipe NAME] [--lengths FILE | --corpus NAME] [hydra overrides]
                                                                                    plan the run's data, no torch
+    python -m mcore_packing prepare --input JSONL --out STORE --hf-path MODEL     tokenize once, in parallel
     python -m mcore_packing export --checkpoint DIR --out HF_FOLDER                a checkpoint for transformers
     python -m mcore_packing grpo [--steps N] [--plot PNG]                          GRPO on a bundled task (CPU)
 
@@ -19,6 +20,7 @@ import sys
 COMMANDS = {
     "train": ("mcore_packing.app.train_command", "train (SFT, or GRPO on rollouts) or --dry-run a config or --recipe"),
     "plan": ("mcore_packing.app.plan_command", "plan the run train would run and report the savings"),
+    "prepare": ("mcore_packing.app.prepare_command", "tokenize a JSONL data set once into a memory-mapped store"),
     "export": ("mcore_packing.app.export_command", "write a training checkpoint as a Hugging Face folder"),
     "grpo": ("mcore_packing.app.grpo_command", "GRPO on digit addition with a tiny model (CPU example)"),
 }

@@ -156,6 +156,7 @@ _KEYS = {
     "refine": "sequence_packing.refine",
     "order": "sequence_packing.microbatch_order",
     "hf_path": "model.hf_path",
+    "prepared": "data.prepared",
     "encoding": "data.encoding",
     "field": "data.text_field",
     "num_layers": "model.num_layers",
@@ -197,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--corpus", choices=REAL_CORPORA, help="plan a built-in real corpus's lengths (--encoding tokens)")
     src.add_argument("--lengths", help="plan a file of lengths: .npy, .json list, or whitespace-separated integers")
     src.add_argument("--jsonl", help="the run's data from this JSONL file (data.source=jsonl data.path=FILE)")
+    src.add_argument("--prepared", help="the run's data from a store written by prepare (data.prepared=STORE)")
     p.add_argument("--field", help="data.text_field: the JSONL field with the text or the chat messages")
     p.add_argument("--hf-path", help="model.hf_path: the checkpoint's shape, tokenizer and chat template")
     p.add_argument("--encoding", help="data.encoding: the bundled vocabulary (no --hf-path)")
@@ -272,7 +274,7 @@ def _overrides(args, user: list[str], given: dict[str, str]) -> list[str]:
             value = {"default": "null", "on": "true", "off": "false"}[value]
         elif isinstance(value, bool):
             value = str(value).lower()
-        elif dest == "hf_path":
+        elif dest in ("hf_path", "prepared"):
             value = json.dumps(str(value))  # a quoted string: paths may hold '=' or ':'
         tail.append(f"{key}={value}")
         given[key] = _flag(dest)

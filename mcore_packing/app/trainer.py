@@ -94,7 +94,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
         except (ValueError, OSError) as exc:
             raise ConfigError(f"model.hf_path: {exc}", key="model.hf_path") from None
     _warn_ignored_model_keys(cfg, shape)
-    lengths = [len(s) for s in data.samples]
+    lengths = data.sample_lengths()
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
     algorithm.check_data(cfg, data, step_config)
@@ -122,7 +122,9 @@ def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
 
 
 def _check_vocab(cfg: TrainConfig, data: RunData, shape: ModelShape) -> None:
-    largest = max(int(s.tokens.max()) for s in data.samples)
+    largest = data.max_token_id
+    if largest is None:
+        largest = max(int(s.tokens.max()) for s in data.samples)
     if largest >= shape.vocab_size:
         raise ConfigError(
             f"the data has token id {largest} but the model's vocabulary is {shape.vocab_size}: the tokenizer "
@@ -141,7 +143,7 @@ def train(cfg: TrainConfig) -> dict:
         quiet_megatron_on_cpu(cpu=setup.policy.device.type == "cpu")
         _announce(cfg, setup, inputs.data, inputs.step_config.mode)
         summary["rank"] = setup.rank
-        fingerprint = data_fingerprint(inputs.data.samples, inputs.data.fingerprint_extra)
+        fingerprint = inputs.data.fingerprint or data_fingerprint(inputs.data.samples, inputs.data.fingerprint_extra)
         checkpointer = Checkpointer(cfg, setup.rank, inputs.layout, fingerprint)
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:

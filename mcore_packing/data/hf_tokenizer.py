@@ -81,20 +81,21 @@ class ChatTokenizer:
 
     def encode_conversations(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[float], list[int]]]:
         """`encode_conversation` of many conversations: each rendered and its assistant spans located, then
-        all tokenized in one batch (the tokenizer's threads) and masked with array operations."""
+        all tokenized in one batch (the tokenizer's threads). A token is learned when its characters lie
+        inside an assistant span; only the tokens at span and turn boundaries are looked up (the
+        tokenizer's char -> token map), not every token's offsets."""
         import numpy as np
 
         located = [self._spans(messages) for messages in conversations]
         encodings = self.tokenizer.encode_batch([text for text, _, _ in located], add_special_tokens=False)
         out = []
         for (_, spans, ends), encoding in zip(located, encodings, strict=True):
-            offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-            starts, stops = offsets[:, 0], offsets[:, 1]
-            learned = np.zeros(len(offsets), dtype=bool)
+            ids = encoding.ids
+            learned = np.zeros(len(ids), dtype=np.float32)
             for a, b in spans:
-                learned |= (starts >= a) & (stops <= b)
-            turn_ends = (stops[None, :] <= np.asarray(ends, dtype=np.int64)[:, None]).sum(1)
-            out.append((encoding.ids, learned.astype(np.float64).tolist(), turn_ends.tolist()))
+                first, last = _first_inside(encoding, a, len(ids)), _tokens_before(encoding, b, len(ids))
+                learned[first:last] = 1.0
+            out.append((ids, learned.tolist(), [_tokens_before(encoding, end, len(ids)) for end in ends]))
         return out
 
     def _spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]], list[int]]:
@@ -126,3 +127,34 @@ def _environment():
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
     env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
     return env
+
+
+def _tokens_before(encoding, char: int, count: int) -> int:
+    """How many tokens end at or before character ``char`` (tokens are in text order)."""
+    if char <= 0:
+        return 0
+    t = _token_at(encoding, char - 1, count, backward=True)
+    if t is None:
+        return 0
+    return t + 1 if encoding.token_to_chars(t)[1] <= char else t
+
+
+def _first_inside(encoding, char: int, count: int) -> int:
+    """The first token that starts at or after character ``char``."""
+    t = _token_at(encoding, char, count, backward=False)
+    if t is None:
+        return count
+    return t if encoding.token_to_chars(t)[0] >= char else t + 1
+
+
+def _token_at(encoding, char: int, count: int, *, backward: bool):
+    """The token covering ``char``, or the nearest one before (``backward``) or after it when no token
+    covers it (characters a normalizer dropped); None past the ends."""
+    step = -1 if backward else 1
+    limit = encoding.token_to_chars(count - 1)[1] if count else 0
+    while 0 <= char < limit:
+        t = encoding.char_to_token(char)
+        if t is not None:
+            return t
+        char += step
+    return None

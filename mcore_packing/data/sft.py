@@ -33,7 +33,8 @@ from .jsonl import BadLines
 from .real_text import champ_conversations, get_tokenizer, read_jsonl_field
 from .sample import SequenceSample
 
-__all__ = ["LONG_SAMPLE_POLICIES", "ROLES", "SftData", "check_messages", "load_sft_data"]
+__all__ = ["LONG_SAMPLE_POLICIES", "ROLES", "SftData", "TokenizedChunk", "check_messages", "check_record",
+           "load_sft_data", "tokenize_chunk"]  # fmt: skip
 
 UNK_ID = 0
 LONG_SAMPLE_POLICIES = ("drop", "truncate", "split", "error")
@@ -71,13 +72,18 @@ def _records(source: str, path: str | None, text_field: str) -> list:
         raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
     records, bad = read_jsonl_field(path, text_field, key="data.text_field"), BadLines()
     for line, record in records:
-        if isinstance(record, list):
-            bad.check(check_messages, record, f"{path}:{line}")
-        elif not isinstance(record, str):
-            bad.add(f"{path}:{line}: {text_field} is {str(record)[:60]} ({type(record).__name__}); it must be the "
-                    "text (a string) or a list of {'role', 'content'} messages.")  # fmt: skip
+        bad.check(check_record, record, f"{path}:{line}", text_field)
     bad.raise_any()
     return [r for _, r in records]
+
+
+def check_record(record, where: str, text_field: str) -> None:
+    """A record's ``text_field`` is a text or a conversation (`check_messages`)."""
+    if isinstance(record, list):
+        check_messages(record, where)
+    elif not isinstance(record, str):
+        raise ValueError(f"{where}: {text_field} is {str(record)[:60]} ({type(record).__name__}); it must be the "
+                         "text (a string) or a list of {'role', 'content'} messages.")  # fmt: skip
 
 
 def check_messages(messages, where: str) -> None:
@@ -148,6 +154,40 @@ def _fit(record: _Encoded, policy: str | None, limit: int) -> tuple[list[tuple[l
     return [], "dropped"
 
 
+@dataclass
+class TokenizedChunk:
+    """Records after tokenization and the long-sample policy: the samples' ids and 0/1 masks, what the
+    policy did (``split``/``truncated``/``dropped`` counts), and the counts the data info reports."""
+
+    samples: list[tuple[np.ndarray, np.ndarray]]
+    outcomes: Counter
+    num_records: int
+    num_tokens: int  # of the non-empty records, before the policy
+    learned_tokens: float
+
+
+def _apply_policy(encoded: list[_Encoded], num_records: int, long_samples, max_sample_tokens: int,
+                  remap=None) -> TokenizedChunk:  # fmt: skip
+    encoded = [r for r in encoded if r.ids]
+    samples, outcomes = [], Counter()
+    for record in encoded:
+        pieces, outcome = _fit(record, long_samples, max_sample_tokens)
+        outcomes[outcome] += 1
+        for ids, mask in pieces:
+            ids = ids if remap is None else [remap.get(t, UNK_ID) for t in ids]
+            samples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)))
+    return TokenizedChunk(samples, outcomes, num_records, sum(len(r.ids) for r in encoded),
+                          float(sum(np.sum(r.mask) for r in encoded)))  # fmt: skip
+
+
+def tokenize_chunk(records: list, tokenizer, *, learn_prompt: bool, long_samples: str | None,
+                   max_sample_tokens: int) -> TokenizedChunk:  # fmt: skip
+    """Records (texts or conversations) through a `hf_tokenizer.ChatTokenizer` in batches, then the
+    long-sample policy: what training does to every chunk of a data set (`load_sft_data`, ``prepare``)."""
+    encoded = _encode_chat(records, tokenizer, learn_prompt)
+    return _apply_policy(encoded, len(records), long_samples, max_sample_tokens)
+
+
 def _compact_vocab(encoded: list[_Encoded], vocab_size: int) -> tuple[dict, float]:
     counts = Counter(t for r in encoded for t in r.ids)
     remap = {t: i + 1 for i, (t, _) in enumerate(counts.most_common(vocab_size - 1))}
@@ -178,44 +218,51 @@ def load_sft_data(
         from .hf_tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer(tokenizer_path)
-        encoded = _encode_chat(records, tokenizer, learn_prompt)
-        remap, unk_share, vocab_size = None, 0.0, tokenizer.vocab_size
+        chunk = tokenize_chunk(records, tokenizer, learn_prompt=learn_prompt, long_samples=long_samples,
+                               max_sample_tokens=max_sample_tokens)  # fmt: skip
+        unk_share, vocab_size = 0.0, tokenizer.vocab_size
     else:
         quick = get_tokenizer(encoding)
         encode = quick.encode_ordinary if hasattr(quick, "encode_ordinary") else quick.encode
         encoded = [_encode_compact(r, encode, learn_prompt) for r in records]
         remap, unk_share = _compact_vocab(encoded, vocab_size)
-    encoded = [r for r in encoded if r.ids]
-    samples, outcomes = [], Counter()
-    for record in encoded:
-        pieces, outcome = _fit(record, long_samples, max_sample_tokens)
-        outcomes[outcome] += 1
-        for ids, mask in pieces:
-            ids = ids if remap is None else [remap.get(t, UNK_ID) for t in ids]
-            samples.append(SequenceSample(np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)))
-    if samples and not any(np.any(s.loss_mask[1:]) for s in samples):
+        chunk = _apply_policy(encoded, len(records), long_samples, max_sample_tokens, remap)
+    samples = [SequenceSample(ids, mask) for ids, mask in chunk.samples]
+    check_outcome(chunk, max_sample_tokens)
+    info = {
+        "source": source,
+        "tokenizer": tokenizer_path or f"quicktok:{encoding} (compact)",
+        **chunk_info(chunk),
+        "vocab_size": vocab_size,
+        "unk_token_share": unk_share,
+    }
+    return SftData(samples=samples, vocab_size=vocab_size, info=info)
+
+
+def check_outcome(chunk: TokenizedChunk, max_sample_tokens: int) -> None:
+    """A data set with no sample left, or none with a learned token, is refused (the fix named)."""
+    samples = chunk.samples
+    if samples and not any(np.any(mask[1:]) for _, mask in samples):
         raise ValueError(
             "No token of the data set is learned: conversations need an assistant turn (only those are learned), "
             "or set data.learn_prompt=true to learn every turn."
         )
     if not samples:
         raise ValueError(
-            f"No samples are left: {outcomes['dropped']} of {len(encoded)} records are longer than "
+            f"No samples are left: {chunk.outcomes['dropped']} of {chunk.num_records} records are longer than "
             f"data.max_sample_tokens={max_sample_tokens} and were dropped. Raise data.max_sample_tokens, or set "
             "data.long_samples=truncate (conversations: keep the turns that fit)."
         )
-    total_tokens = sum(len(r.ids) for r in encoded)
-    info = {
-        "source": source,
-        "tokenizer": tokenizer_path or f"quicktok:{encoding} (compact)",
-        "num_records": len(records),
-        "num_samples": len(samples),
-        "num_tokens": total_tokens,
-        "long_samples_split": outcomes["split"],
-        "long_samples_truncated": outcomes["truncated"],
-        "long_samples_dropped": outcomes["dropped"],
-        "vocab_size": vocab_size,
-        "unk_token_share": unk_share,
-        "learned_token_share": float(np.mean(np.concatenate([np.asarray(r.mask) for r in encoded]))),
+
+
+def chunk_info(chunk: TokenizedChunk) -> dict:
+    """The counts the data info reports (records, samples, tokens, the policy's outcomes, learned share)."""
+    return {
+        "num_records": chunk.num_records,
+        "num_samples": len(chunk.samples),
+        "num_tokens": chunk.num_tokens,
+        "long_samples_split": chunk.outcomes["split"],
+        "long_samples_truncated": chunk.outcomes["truncated"],
+        "long_samples_dropped": chunk.outcomes["dropped"],
+        "learned_token_share": chunk.learned_tokens / chunk.num_tokens if chunk.num_tokens else 0.0,
     }
-    return SftData(samples=samples, vocab_size=vocab_size, info=info)

@@ -50,14 +50,22 @@ class RunData:
     """What an algorithm trains on: the samples (token ids and learned mask), ``units`` (the sample
     indices of each unit a step draws; None: each sample is a unit), the smallest vocabulary that holds
     the ids, a description for the log, ``records`` (the algorithm's own records, index-aligned with the
-    samples: rollouts, pairs), and ``fingerprint_extra`` (what identifies the data beyond its tokens)."""
+    samples: rollouts, pairs), and ``fingerprint_extra`` (what identifies the data beyond its tokens). A
+    prepared store also gives the lengths, its fingerprint and its largest id, so nothing reads every
+    sample."""
 
-    samples: list[SequenceSample]
+    samples: Sequence[SequenceSample]  # a list, or a prepared store's samples read on access
     vocab_size: int
     info: dict
     units: list[list[int]] | None = None
     records: list | None = None
     fingerprint_extra: list | None = None
+    lengths: Sequence[int] | None = None  # known without reading the samples (a prepared store); else measured
+    fingerprint: str | None = None  # what identifies the data when it is not hashed sample by sample (a store)
+    max_token_id: int | None = None  # the largest id, when known without reading the samples
+
+    def sample_lengths(self) -> Sequence[int]:
+        return self.lengths if self.lengths is not None else [len(s) for s in self.samples]
 
     @property
     def num_units(self) -> int:

@@ -17,6 +17,11 @@ from . import RunData, step_metrics
 
 
 def check_config(cfg) -> None:
+    if cfg.data.prepared is not None:
+        raise ConfigError(
+            f"data.prepared is read by algorithm=sft in this version; algorithm={cfg.algorithm} reads dpo.pairs. "
+            "Unset data.prepared.", key="data.prepared",
+        )  # fmt: skip
     if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
         raise ConfigError(
             "algorithm=dpo keeps each (chosen, rejected) pair in one micro-batch: it needs sequence_packing.enabled"

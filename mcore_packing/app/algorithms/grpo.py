@@ -19,6 +19,11 @@ from . import RunData, step_metrics
 
 
 def check_config(cfg) -> None:
+    if cfg.data.prepared is not None:
+        raise ConfigError(
+            f"data.prepared is read by algorithm=sft in this version; algorithm={cfg.algorithm} reads grpo.rollouts. "
+            "Unset data.prepared.", key="data.prepared",
+        )  # fmt: skip
     batched = cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled
     if cfg.grpo.keep_groups_together and not batched:
         raise ConfigError(

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict
+
+import numpy as np
 
 from ...data.sft import load_sft_data
 from ...planning import plan_step
@@ -19,13 +22,68 @@ def missing_data(cfg) -> str | None:
 
 
 def load_data(cfg) -> RunData:
-    """The SFT samples (``data.*``, the checkpoint's tokenizer with ``model.hf_path``); a missing file or
-    field is a config error."""
+    """The SFT samples (``data.*``, the checkpoint's tokenizer with ``model.hf_path``; or a store written by
+    ``prepare``, ``data.prepared``); a missing file or field is a config error."""
+    if cfg.data.prepared is not None:
+        return load_prepared(cfg)
     try:
-        data = load_sft_data(**asdict(cfg.data), tokenizer_path=cfg.model.hf_path)
+        fields = {k: v for k, v in asdict(cfg.data).items() if k != "prepared"}
+        data = load_sft_data(**fields, tokenizer_path=cfg.model.hf_path)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data: {exc}") from None
     return RunData(samples=data.samples, vocab_size=data.vocab_size, info=data.info)
+
+
+def load_prepared(cfg) -> RunData:
+    """A prepared store's samples, read from its memory maps when a step needs them; ``data.num_samples``
+    picks that many evenly spaced ones (as from a JSONL file). With ``model.hf_path`` the store must have
+    been tokenized by that checkpoint's tokenizer."""
+    from ...data.prepared import PreparedStore
+    from ..prepare_command import tokenizer_digest
+
+    try:
+        store = PreparedStore(cfg.data.prepared)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"data.prepared: {exc}", key="data.prepared") from None
+    if cfg.model.hf_path is not None:
+        from ...data.hf_tokenizer import ChatTokenizer
+
+        try:
+            ours = tokenizer_digest(ChatTokenizer(cfg.model.hf_path))
+        except FileNotFoundError as exc:
+            raise ConfigError(f"model.hf_path: {exc}", key="model.hf_path") from None
+        if ours != store.manifest["tokenizer"]["sha256"]:
+            raise ConfigError(
+                f"data.prepared={cfg.data.prepared} was tokenized with {store.manifest['tokenizer']['name']}, whose "
+                f"tokenizer or chat template differs from model.hf_path={cfg.model.hf_path}'s. Prepare the data "
+                "with --hf-path set to this model.", key="data.prepared",
+            )  # fmt: skip
+    ids = np.arange(len(store))
+    if cfg.data.num_samples is not None and cfg.data.num_samples < len(store):
+        ids = np.linspace(0, len(store) - 1, cfg.data.num_samples).round().astype(np.int64)
+    return RunData(
+        samples=_StoreSamples(store, ids),
+        vocab_size=store.vocab_size,
+        info={**store.info, "num_samples": len(ids)},
+        lengths=np.asarray(store.lengths[ids]),
+        fingerprint=f"{store.fingerprint}:{len(ids)}",
+        max_token_id=store.manifest["counts"]["max_token_id"],
+    )
+
+
+class _StoreSamples(Sequence):
+    """The chosen samples of a store, each read from the memory maps on access."""
+
+    def __init__(self, store, ids: np.ndarray):
+        self.store, self.ids = store, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.store[int(self.ids[i])]
 
 
 def check_data(cfg, data: RunData, step_config) -> None:
