@@ -58,6 +58,7 @@ def load_prepared(cfg) -> RunData:
                 f"tokenizer or chat template differs from model.hf_path={cfg.model.hf_path}'s. Prepare the data "
                 "with --hf-path set to this model.", key="data.prepared",
             )  # fmt: skip
+    _warn_ignored_data_keys(cfg, store)
     ids = np.arange(len(store))
     if cfg.data.num_samples is not None and cfg.data.num_samples < len(store):
         ids = np.linspace(0, len(store) - 1, cfg.data.num_samples).round().astype(np.int64)
@@ -69,6 +70,20 @@ def load_prepared(cfg) -> RunData:
         fingerprint=f"{store.fingerprint}:{len(ids)}",
         max_token_id=store.manifest["counts"]["max_token_id"],
     )
+
+
+def _warn_ignored_data_keys(cfg, store) -> None:
+    """The store's tokenization settings are the ones its samples have: say which set keys lose."""
+    import warnings
+
+    from ..config import DataConfig
+
+    unset = DataConfig()
+    for key, value in store.manifest["settings"].items():
+        ours = getattr(cfg.data, key)
+        if ours != getattr(unset, key) and ours != value:
+            warnings.warn(f"data.{key}={ours} is ignored: {cfg.data.prepared} was prepared with {key}={value} "
+                          "(prepare it again to change it).", stacklevel=2)  # fmt: skip
 
 
 class _StoreSamples(Sequence):
