@@ -7,7 +7,8 @@ The JSONL is streamed (never whole in memory) in chunks of ``--chunk-records`` l
 parse and check each chunk (the same checks as training: `data.sft.check_record`), tokenize it with the
 checkpoint's tokenizer and chat template in one batch, and apply the long-sample policy
 (`data.sft.tokenize_chunk`: exactly what ``load_sft_data`` does); the parent writes the chunks in input
-order through Megatron-Core's ``IndexedDatasetBuilder`` (the store's layout: `data.prepared`). Bad lines
+order in Megatron-Core's indexed-dataset format (`data.prepared.IndexedWriter`; the store's layout:
+`data.prepared`). Bad lines
 are gathered over the whole file and reported together (up to 10, ``file:line``), and nothing is written.
 
 The store is built in a hidden ``.<name>.partial`` folder beside ``--out`` and renamed when complete, so
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data.jsonl import BadLines
-from ..data.prepared import FILES, FORMAT, MANIFEST, file_digest, spans_from_mask, token_dtype
+from ..data.prepared import FILES, FORMAT, MANIFEST, IndexedWriter, file_digest, spans_from_mask, token_dtype
 from ..data.sft import LONG_SAMPLE_POLICIES, chunk_info, tokenize_chunk
 from .config import DataConfig
 
@@ -217,17 +218,15 @@ def _write(source: Path, folder: Path, tokenizer, settings: dict, workers: int, 
     meter = _Progress(progress)
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.folder), settings)) as pool:
-        from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-        tokens = IndexedDatasetBuilder(str(folder / "tokens.bin"), dtype=token_dtype(tokenizer.vocab_size))
-        spans = IndexedDatasetBuilder(str(folder / "spans.bin"), dtype=np.int32)
+        tokens = IndexedWriter(folder / "tokens", token_dtype(tokenizer.vocab_size))
+        spans = IndexedWriter(folder / "spans", np.int32)
         for result in pool.imap(_tokenize, tasks):
             for message in result["errors"]:
                 bad.add(message)
             if bad.messages:
                 continue  # read on: every bad line is reported at once
-            _add(tokens, result["ids"], result["lengths"])
-            _add(spans, result["spans"], result["span_lengths"])
+            tokens.add(result["ids"], result["lengths"])
+            spans.add(result["spans"], result["span_lengths"])
             info = result["info"]
             for key in totals:
                 totals[key] += info[key]
@@ -238,8 +237,8 @@ def _write(source: Path, folder: Path, tokenizer, settings: dict, workers: int, 
             meter.update(totals["num_records"], totals["num_samples"], stored)
         meter.close()
         bad.raise_any()
-        tokens.finalize(str(folder / "tokens.idx"))
-        spans.finalize(str(folder / "spans.idx"))
+        tokens.finalize()
+        spans.finalize()
     if totals["num_samples"] == 0:
         raise ValueError(f"No samples are left: {totals['long_samples_dropped']} of {totals['num_records']} records "
                          f"are longer than --max-sample-tokens={settings['max_sample_tokens']} and were dropped "
@@ -251,15 +250,6 @@ def _write(source: Path, folder: Path, tokenizer, settings: dict, workers: int, 
     totals["stored_tokens"] = stored
     totals["max_token_id"] = largest
     return totals, digest.hexdigest()
-
-
-def _add(builder, values: np.ndarray, lengths: np.ndarray) -> None:
-    """Append a chunk's samples to a Megatron indexed-dataset builder, one document per sample."""
-    if not len(lengths):
-        return
-    first = len(builder.sequence_lengths)
-    builder.add_document(values, lengths.tolist())
-    builder.document_indices[-1:] = range(first + 1, first + len(lengths) + 1)
 
 
 class _Progress:

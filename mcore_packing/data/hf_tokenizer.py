@@ -79,14 +79,17 @@ class ChatTokenizer:
         tokens, and the token count after each message (for truncation at a turn boundary)."""
         return self.encode_conversations([messages])[0]
 
-    def encode_conversations(self, conversations: list[list[dict]]) -> list[tuple[list[int], list[float], list[int]]]:
+    def encode_conversations(
+        self, conversations: list[list[dict]], *, assistant_ends_only: bool = False
+    ) -> list[tuple[list[int], list[float], list[int]]]:
         """`encode_conversation` of many conversations: each rendered and its assistant spans located, then
         all tokenized in one batch (the tokenizer's threads). A token is learned when its characters lie
         inside an assistant span; only the tokens at span and turn boundaries are looked up (the
-        tokenizer's char -> token map), not every token's offsets."""
+        tokenizer's char -> token map), not every token's offsets. ``assistant_ends_only``: the turn ends of
+        the assistant's messages only (what truncation needs; fewer template renders)."""
         import numpy as np
 
-        located = [self._spans(messages) for messages in conversations]
+        located = [self._spans(messages, assistant_ends_only) for messages in conversations]
         encodings = self.tokenizer.encode_batch([text for text, _, _ in located], add_special_tokens=False)
         out = []
         for (_, spans, ends), encoding in zip(located, encodings, strict=True):
@@ -98,13 +101,15 @@ class ChatTokenizer:
             out.append((ids, learned.tolist(), [_tokens_before(encoding, end, len(ids)) for end in ends]))
         return out
 
-    def _spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]], list[int]]:
+    def _spans(self, messages: list[dict], assistant_ends_only: bool = False):
         """The rendered text, the character span of each assistant reply (with its end-of-turn), and the
-        character count after each message."""
+        character count after each message (each assistant message with ``assistant_ends_only``)."""
         text = self.render(messages)
         spans, ends = [], []
         for i, message in enumerate(messages):
-            through = self.render(messages[: i + 1])
+            if assistant_ends_only and message["role"] != "assistant":
+                continue
+            through = text if i == len(messages) - 1 else self.render(messages[: i + 1])
             if message["role"] == "assistant":
                 before = self.render(messages[:i], add_generation_prompt=True)
                 if not (text.startswith(before) and text.startswith(through)):

@@ -13,12 +13,14 @@ A store is a folder:
   (``data.*`` keys: long-sample policy, limit, learned turns), the counts (records, samples, tokens,
   dropped / truncated / split) and every file's size.
 
-Reading needs numpy only (no torch, no megatron-core import), so the planner gets a million lengths in
-milliseconds: `read_index` parses the ``.idx`` layout (header, version, dtype code, sequence and document
-counts, then the sequence lengths, byte offsets and document indices) and checks it against the file's
-size. Opening a store checks every file against the manifest (missing, truncated, or written by an
-unfinished `prepare`: each refused naming the file); the store's `fingerprint` (a hash of the manifest,
-which holds the sizes and the index hashes) is what checkpoints record.
+Reading and writing need numpy only (no torch, no megatron-core import: ``prepare`` runs on a login node,
+and the planner gets a million lengths in milliseconds): `read_index` parses the ``.idx`` layout (header,
+version, dtype code, sequence and document counts, then the sequence lengths, byte offsets and document
+indices) and checks it against the file's size; `IndexedWriter` writes it (one document per sample), and
+the tests read what it writes with megatron-core's own ``IndexedDataset``. Opening a store checks every
+file against the manifest (missing, truncated, or written by an unfinished `prepare`: each refused naming
+the file); the store's `fingerprint` (a hash of the manifest, which holds the sizes and the index hashes)
+is what checkpoints record.
 """
 
 from __future__ import annotations
@@ -32,7 +34,16 @@ import numpy as np
 
 from .sample import SequenceSample
 
-__all__ = ["FORMAT", "MANIFEST", "PreparedStore", "mask_from_spans", "read_index", "spans_from_mask", "token_dtype"]
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "IndexedWriter",
+    "PreparedStore",
+    "mask_from_spans",
+    "read_index",
+    "spans_from_mask",
+    "token_dtype",
+]
 
 FORMAT = "mcore_packing.prepared/1"
 MANIFEST = "manifest.json"
@@ -42,6 +53,31 @@ _HEADER = b"MMIDIDX\x00\x00"
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
            8: np.uint16}  # fmt: skip
 """Megatron-Core's ``DType`` codes."""
+
+
+class IndexedWriter:
+    """Appends sequences to ``<prefix>.bin`` and writes ``<prefix>.idx`` at `finalize` (Megatron-Core's
+    indexed-dataset layout, one document per sequence)."""
+
+    def __init__(self, prefix: str | Path, dtype):
+        self.prefix, self.dtype = Path(prefix), np.dtype(dtype)
+        self.data = open(self.prefix.with_suffix(".bin"), "wb")
+        self.lengths: list[np.ndarray] = []
+
+    def add(self, values: np.ndarray, lengths: np.ndarray) -> None:
+        """Sequences given as their concatenated ``values`` and each one's length."""
+        self.data.write(np.asarray(values, dtype=self.dtype).tobytes())
+        self.lengths.append(np.asarray(lengths, dtype=np.int32))
+
+    def finalize(self) -> None:
+        self.data.close()
+        lengths = np.concatenate(self.lengths) if self.lengths else np.zeros(0, np.int32)
+        pointers = np.zeros(len(lengths), dtype=np.int64)
+        np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
+        code = {np.dtype(v): k for k, v in _DTYPES.items()}[self.dtype]
+        with open(self.prefix.with_suffix(".idx"), "wb") as f:
+            f.write(_HEADER + struct.pack("<QBQQ", 1, code, len(lengths), len(lengths) + 1))
+            f.write(lengths.tobytes() + pointers.tobytes() + np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
 
 
 def token_dtype(vocab_size: int):

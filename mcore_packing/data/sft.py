@@ -120,9 +120,9 @@ def _encode_chat(records: list, tokenizer, learn_prompt: bool) -> list[_Encoded]
     out: list[_Encoded | None] = [None] * len(records)
     for i, ids in zip(texts, tokenizer.encode_batch([records[i] for i in texts]), strict=True):
         out[i] = _Encoded(ids, [1.0] * len(ids), conversation=False)
-    for i, (ids, mask, ends) in zip(chats, tokenizer.encode_conversations([records[i] for i in chats]), strict=True):
-        learned = [1.0] * len(ids) if learn_prompt else mask
-        out[i] = _Encoded(ids, learned, [e for e, m in zip(ends, records[i], strict=True) if m["role"] == "assistant"])
+    encoded = tokenizer.encode_conversations([records[i] for i in chats], assistant_ends_only=True)
+    for i, (ids, mask, ends) in zip(chats, encoded, strict=True):
+        out[i] = _Encoded(ids, [1.0] * len(ids) if learn_prompt else mask, ends)
     return out
 
 

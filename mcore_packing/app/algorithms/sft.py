@@ -66,7 +66,7 @@ def load_prepared(cfg) -> RunData:
         samples=_StoreSamples(store, ids),
         vocab_size=store.vocab_size,
         info={**store.info, "num_samples": len(ids)},
-        lengths=np.asarray(store.lengths[ids]),
+        lengths=store.lengths[ids].tolist(),  # Python ints, as measured lengths are
         fingerprint=f"{store.fingerprint}:{len(ids)}",
         max_token_id=store.manifest["counts"]["max_token_id"],
     )
