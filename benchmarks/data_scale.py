@@ -94,7 +94,7 @@ def timed(args: list[str]) -> tuple[float, int, subprocess.CompletedProcess]:
 
 
 def measure(count: int, tmp: Path, tokenizer_folder: Path, check: bool) -> dict:
-    from mcore_packing.data.prepared import PreparedStore
+    from mcore_packing.data.store import PreparedStore
 
     data, store = tmp / f"chat_{count}.jsonl", tmp / f"store_{count}"
     write_conversations(data, count)

@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .step_workers import NUM_LAYERS, build_gpt
+from .step_workers import NUM_LAYERS, build_gpt, wrap_in_ddp
 
 NUM_EXPERTS = 4
 TOPK = 2
@@ -223,7 +223,6 @@ def moe_step_worker(rank, world_size, configs, samples, state_dict):
     """Run every config (tp, pp, cp, ep, mode, ...) on this world; rank 0 returns the results."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     from mcore_packing.megatron import (
         ProcessGroups,
@@ -258,14 +257,7 @@ def moe_step_worker(rank, world_size, configs, samples, state_dict):
             )
             offsets = _offsets(pp, ep)
             load_sharded(module, state_dict, offsets)
-            ddp = DistributedDataParallel(
-                config,
-                DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-                module,
-            )
-            config.finalize_model_grads_func = finalize_model_grads
-            config.no_sync_func = ddp.no_sync
-            ddp.zero_grad_buffer()
+            ddp = wrap_in_ddp(config, module)
             pgs = ProcessGroups.from_megatron()
             reduce_group = None if cfg.get("negative") == "counts_per_cp_shard" else pgs.collection.tp_cp
             router_loss = RouterLoss(ddp, RouterLossConfig(balance_coeff=BALANCE, z_coeff=Z_LOSS),

@@ -60,6 +60,19 @@ def build_gpt(config, spec, *, pre_process=True, post_process=True):
     )
 
 
+def wrap_in_ddp(config, module):
+    """Megatron DDP around ``module`` with Megatron's finalize (the schedule's gradient reduction), zeroed."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp = DistributedDataParallel(
+        config, DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False), module
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    ddp.zero_grad_buffer()
+    return ddp
+
+
 def _attention_cost_model():
     from mcore_packing.planning import CostModel, ModelShape
 
@@ -219,7 +232,6 @@ def step_worker(rank, world_size, configs, samples, state_dict):
 
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
     import mcore_packing.megatron.prepare as prepare
     import mcore_packing.megatron.schedule as schedule
@@ -261,14 +273,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
             )
             layer_offset = ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp)
             load_sharded(module, state_dict, ps.get_tensor_model_parallel_rank(), tp, layer_offset)
-            ddp = DistributedDataParallel(
-                config,
-                DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False),
-                module,
-            )
-            config.finalize_model_grads_func = finalize_model_grads
-            config.no_sync_func = ddp.no_sync
-            ddp.zero_grad_buffer()
+            ddp = wrap_in_ddp(config, module)
             plan_config = StepPlanConfig(
                 mode=cfg.get("mode", "packing"),
                 train_mb_tokens=cfg.get("train_mb_tokens", 96),

@@ -127,3 +127,11 @@ def test_plan_quality_small(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"packing", "dynamic"}
+
+
+@pytest.mark.slow
+def test_data_scale_at_ten_thousand_samples_checks_the_store_start_and_plan():
+    """The 1M benchmark's assertions at 10,000 samples (correctness only: nothing timed here)."""
+    proc = run("benchmarks/data_scale.py", "--samples", "10000", "--check")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "checked [10000] samples" in proc.stdout

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from . import test_step_equivalence as step_equivalence
 from .distributed_harness import run_distributed
 from .test_step_equivalence import SAMPLES, grad_errors
 
@@ -26,14 +27,7 @@ def reference():
 
 
 def run_configs(world_size: int, configs: list[dict], reference: dict) -> list[dict]:
-    return run_distributed(
-        "tests.moe_workers:moe_step_worker",
-        world_size,
-        configs=configs,
-        samples=SAMPLES,
-        state_dict=reference["state_dict"],
-        timeout=900,
-    )[0]
+    return step_equivalence.run_configs(world_size, configs, reference, worker="moe_workers:moe_step_worker")
 
 
 def errors(result: dict, reference: dict) -> tuple[float, float, float]:

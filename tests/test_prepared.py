@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from mcore_packing.app.prepare_command import prepare
-from mcore_packing.data.prepared import PreparedStore, mask_from_spans, spans_from_mask
 from mcore_packing.data.real_text import champ_conversations
 from mcore_packing.data.sft import _role, load_sft_data
+from mcore_packing.data.store import PreparedStore, mask_from_spans, spans_from_mask
 
 from .hf_models import make_chat_model
 

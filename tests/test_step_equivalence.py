@@ -58,9 +58,10 @@ def check(result: dict, reference: dict) -> None:
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (result["config"], loss_err, grad_err)
 
 
-def run_configs(world_size: int, configs: list[dict], reference: dict) -> list[dict]:
+def run_configs(world_size: int, configs: list[dict], reference: dict, worker: str = "step_workers:step_worker"):
+    """Every config on ``world_size`` gloo ranks with the reference's weights; rank 0's results."""
     return run_distributed(
-        "tests.step_workers:step_worker",
+        f"tests.{worker}",
         world_size,
         configs=configs,
         samples=SAMPLES,

@@ -7,9 +7,9 @@ The JSONL is streamed (never whole in memory) in chunks of ``--chunk-records`` l
 parse and check each chunk (the same checks as training: `data.sft.check_record`), tokenize it with the
 checkpoint's tokenizer and chat template in one batch, and apply the long-sample policy
 (`data.sft.tokenize_chunk`: exactly what ``load_sft_data`` does); the parent writes the chunks in input
-order in Megatron-Core's indexed-dataset format (`data.prepared.IndexedWriter`; the store's layout:
-`data.prepared`). Bad lines
-are gathered over the whole file and reported together (up to 10, ``file:line``), and nothing is written.
+order in Megatron-Core's indexed-dataset format (`data.store.IndexedWriter`; the store's layout:
+`data.store`). Bad lines are gathered over the whole file and reported together (up to 10,
+``file:line``), and nothing is written.
 
 The store is built in a hidden ``.<name>.partial`` folder beside ``--out`` and renamed when complete, so
 an interrupted prepare never leaves a store that opens. A progress line on stderr gives records, samples
@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ..data.jsonl import BadLines
-from ..data.prepared import FILES, FORMAT, MANIFEST, IndexedWriter, file_digest, spans_from_mask, token_dtype
 from ..data.sft import LONG_SAMPLE_POLICIES, chunk_info, tokenize_chunk
+from ..data.store import FILES, FORMAT, MANIFEST, IndexedWriter, file_digest, spans_from_mask, token_dtype
 from .config import DataConfig
 
 __all__ = ["main", "prepare", "tokenizer_digest"]

@@ -38,7 +38,7 @@ def load_prepared(cfg) -> RunData:
     """A prepared store's samples, read from its memory maps when a step needs them; ``data.num_samples``
     picks that many evenly spaced ones (as from a JSONL file). With ``model.hf_path`` the store must have
     been tokenized by that checkpoint's tokenizer."""
-    from ...data.prepared import PreparedStore
+    from ...data.store import PreparedStore
     from ..prepare_command import tokenizer_digest
 
     try:
