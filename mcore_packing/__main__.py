@@ -29,7 +29,8 @@ COMMANDS = {
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
-        usage = "\n".join(f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items())
+        width = max(map(len, COMMANDS))
+        usage = "\n".join(f"  {name:<{width}} {text}" for name, (_, text) in COMMANDS.items())
         stream = sys.stdout if argv[:1] in (["-h"], ["--help"]) else sys.stderr
         print(f"usage: python -m mcore_packing <command> [args]\n\ncommands:\n{usage}", file=stream)
         if argv[:1] in (["-h"], ["--help"]):

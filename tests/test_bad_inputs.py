@@ -61,7 +61,7 @@ CASES = {
         "holds no complete checkpoint. Use resume=auto",
     ),
     "unknown recipe": (["train", "--dry-run", "--recipe", "nope"], "Unknown recipe 'nope'. Available:"),
-    "unknown command": (["nope"], "unknown command 'nope'; use one of: train, plan, export, grpo."),
+    "unknown command": (["nope"], "unknown command 'nope'; use one of: train, plan, prepare, export, grpo."),
     # GRPO rollouts
     "a group of one response": (
         ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={single}", "grpo.num_prompts_per_step=1"],

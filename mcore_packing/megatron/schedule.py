@@ -89,8 +89,8 @@ def forward_backward(
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
     router_losses = [] if forward_only else _router_losses(model)
-    for router_loss in router_losses:  # the factor the schedule's normalization divides an attached loss by
-        scale = totals.num_tokens if per_token else process_groups.dp_size * len(prepared)
+    scale = totals.num_tokens if per_token else process_groups.dp_size * len(prepared)  # what the schedule's
+    for router_loss in router_losses:  # normalization divides an attached loss by (as for the main loss)
         router_loss.begin_step(num_sequences=len(samples), num_tokens=sum(plan.lengths), output_scale=scale)
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
