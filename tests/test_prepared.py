@@ -171,3 +171,29 @@ def test_the_store_wins_over_the_runs_data_keys_and_says_so(tmp_path, model, jso
     load_data(compose_config(None, [*base, f"model.hf_path={model}"]))  # control: its own tokenizer
     with pytest.raises(ConfigError, match=r"data\.prepared is read by algorithm=sft in this version"):
         validate_layout(compose_config(None, [*base, "algorithm=dpo", "dpo.pairs=x.jsonl"]), 1)
+
+
+@pytest.mark.slow
+def test_a_run_on_a_store_resumes_exactly_and_refuses_another_store(tmp_path, model, jsonl):
+    import shutil
+
+    from .test_train import metrics, train
+
+    prepare(jsonl, tmp_path / "store", hf_path=model, text_field="messages", max_sample_tokens=1024,
+            long_samples="truncate")  # fmt: skip
+    steps = [f"model.hf_path={model}", f"data.prepared={tmp_path / 'store'}", "data.num_samples=null",
+             "training.save_interval=2", "optimizer.lr_decay_iters=4", "training.global_batch_size=8",
+             "sequence_packing.train_mb_tokens=1024"]  # fmt: skip
+    straight = train(tmp_path / "straight", *steps, "training.steps=4")
+    first = train(tmp_path / "run", *steps, "training.steps=2")
+    assert straight.returncode == 0 and first.returncode == 0, first.stderr[-3000:]
+    resumed = train(tmp_path / "run", *steps, "training.steps=4", "resume=true")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows, ref = metrics(tmp_path / "run"), metrics(tmp_path / "straight")
+    assert len(rows) == 4 and [r["sample_ids"] for r in rows] == [r["sample_ids"] for r in ref]
+    assert all(abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]) for a, b in zip(rows[2:], ref[2:], strict=True))
+    shutil.rmtree(tmp_path / "store")  # another store at the same path: other masks, another fingerprint
+    prepare(jsonl, tmp_path / "store", hf_path=model, text_field="messages", max_sample_tokens=1024,
+            long_samples="truncate", learn_prompt=True)  # fmt: skip
+    other = train(tmp_path / "run", *steps, "training.steps=6", "resume=true")
+    assert other.returncode == 2 and "trained on another data set" in other.stderr, other.stderr[-2000:]
