@@ -19,7 +19,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
-from .step_workers import NUM_LAYERS, build_gpt, wrap_in_ddp
+from .step_workers import NUM_LAYERS, build_gpt, build_stage, gather_results, wrap_in_ddp
 
 NUM_EXPERTS = 4
 TOPK = 2
@@ -221,14 +221,12 @@ def _whole_row_balance():
 
 def moe_step_worker(rank, world_size, configs, samples, state_dict):
     """Run every config (tp, pp, cp, ep, mode, ...) on this world; rank 0 returns the results."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from mcore_packing.megatron import (
         ProcessGroups,
         cpu_device_adapter,
         forward_backward,
-        get_packed_gpt_block_spec,
         nll_loss,
     )
     from mcore_packing.megatron.router_loss import RouterLoss, RouterLossConfig
@@ -248,13 +246,7 @@ def moe_step_worker(rank, world_size, configs, samples, state_dict):
         with cpu_device_adapter():
             config = moe_model_config(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, variable_seq_lengths=vsl,
                                       per_token_loss=cfg.get("per_token_loss", False))  # fmt: skip
-            torch.manual_seed(0)
-            module = build_gpt(
-                config,
-                get_packed_gpt_block_spec(config, "local"),
-                pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(),
-            )
+            module = build_stage(config)
             offsets = _offsets(pp, ep)
             load_sharded(module, state_dict, offsets)
             ddp = wrap_in_ddp(config, module)
@@ -274,15 +266,11 @@ def moe_step_worker(rank, world_size, configs, samples, state_dict):
             grads = collect_full_grads(ddp, offsets)
             router_loss.remove()
         undo()
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, {"grads": grads, "loss": result.loss})
-        merged = {}
-        for item in gathered:
-            merged.update(item["grads"])
+        merged, losses, _ = gather_results(world_size, grads, result.loss)
         results.append({
             "config": cfg,
-            "loss": gathered[0]["loss"],
-            "all_losses_equal": len({item["loss"] for item in gathered}) == 1,
+            "loss": losses[0],
+            "all_losses_equal": len(set(losses)) == 1,
             "router_loss": NUM_LAYERS * (BALANCE * metrics["moe_balance_loss"] + Z_LOSS * metrics["moe_z_loss"]),
             "grads": merged,
             "num_microbatches": result.num_microbatches,

@@ -60,6 +60,31 @@ def build_gpt(config, spec, *, pre_process=True, post_process=True):
     )
 
 
+def build_stage(config):
+    """This pipeline stage's GPTModel with the packed local spec, built from seed 0 (the weights are then
+    loaded from the reference)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_packing.megatron import get_packed_gpt_block_spec
+
+    torch.manual_seed(0)
+    return build_gpt(config, get_packed_gpt_block_spec(config, "local"), pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())  # fmt: skip
+
+
+def gather_results(world_size: int, grads: dict, loss: float, **extra) -> tuple[dict, list[float], list[dict]]:
+    """Every rank's grads merged (each rank reports its own parameters under global names), every rank's
+    loss, and every rank's whole record (with ``extra``)."""
+    import torch.distributed as dist
+
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, {"grads": grads, "loss": loss, **extra})
+    merged = {}
+    for item in gathered:
+        merged.update(item["grads"])
+    return merged, [item["loss"] for item in gathered], gathered
+
+
 def wrap_in_ddp(config, module):
     """Megatron DDP around ``module`` with Megatron's finalize (the schedule's gradient reduction), zeroed."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -230,7 +255,6 @@ def step_worker(rank, world_size, configs, samples, state_dict):
     """Run every config (dicts with tp, pp, cp, mode, ...) on this world; rank 0 returns the results."""
     import importlib
 
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     import mcore_packing.megatron.prepare as prepare
@@ -242,7 +266,6 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         compute_logprobs,
         cpu_device_adapter,
         forward_backward,
-        get_packed_gpt_block_spec,
         nll_loss,
     )
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
@@ -264,13 +287,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
             config = model_config(
                 tp=tp, pp=pp, cp=cp, sp=sp, variable_seq_lengths=vsl, per_token_loss=cfg.get("per_token_loss", False)
             )
-            torch.manual_seed(0)
-            module = build_gpt(
-                config,
-                get_packed_gpt_block_spec(config, "local"),
-                pre_process=ps.is_pipeline_first_stage(),
-                post_process=ps.is_pipeline_last_stage(),
-            )
+            module = build_stage(config)
             layer_offset = ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp)
             load_sharded(module, state_dict, ps.get_tensor_model_parallel_rank(), tp, layer_offset)
             ddp = wrap_in_ddp(config, module)
@@ -314,13 +331,8 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         mine = grads if (ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0) else {}
         if ps.get_tensor_model_parallel_rank() != 0:
             mine = {}
-        gathered = [None] * world_size
         sites = sorted(adapter.call_sites) if adapter is not None else []
-        dist.all_gather_object(gathered, {"grads": mine, "loss": result.loss, "call_sites": sites})
-        merged = {}
-        for item in gathered:
-            merged.update(item["grads"])
-        losses = [item["loss"] for item in gathered]
+        merged, losses, gathered = gather_results(world_size, mine, result.loss, call_sites=sites)
         results.append(
             {
                 "config": cfg,

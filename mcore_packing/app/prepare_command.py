@@ -29,14 +29,16 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.jsonl import BadLines
-from ..data.sft import LONG_SAMPLE_POLICIES, chunk_info, tokenize_chunk
+from ..data.jsonl import BadLines, field_of, parse_jsonl_line
+from ..data.sft import LONG_SAMPLE_POLICIES, check_outcome, check_record, chunk_info, tokenize_chunk
 from ..data.store import FILES, FORMAT, MANIFEST, IndexedWriter, file_digest, spans_from_mask, token_dtype
 from .config import DataConfig
 
-__all__ = ["main", "prepare", "tokenizer_digest"]
+__all__ = ["main", "prepare"]
 
 _WORKER: dict = {}
+_FLAGS = {"limit": "--max-sample-tokens", "truncate": "pass --long-samples truncate", "learn": "pass --learn-prompt"}
+"""How the shared data checks name this command's settings (`data.sft.check_outcome`)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,7 +104,7 @@ def prepare(input_path, out, *, hf_path, text_field="text", max_sample_tokens=20
         manifest = {
             "format": FORMAT,
             "source": {"path": str(source.resolve()), "bytes": source.stat().st_size, "sha256": source_digest},
-            "tokenizer": {"name": str(hf_path), "sha256": tokenizer_digest(tokenizer)},
+            "tokenizer": {"name": str(hf_path), "sha256": tokenizer.fingerprint},
             "vocab_size": tokenizer.vocab_size,
             "settings": settings,
             "counts": counts,
@@ -120,13 +122,6 @@ def prepare(input_path, out, *, hf_path, text_field="text", max_sample_tokens=20
 def _file_record(path: Path) -> dict:
     """A file's size, and for the (small) indexes their sha256 too."""
     return {"bytes": path.stat().st_size, **({"sha256": file_digest(path)} if path.suffix == ".idx" else {})}
-
-
-def tokenizer_digest(tokenizer) -> str:
-    """What identifies a `ChatTokenizer`: its tokenizer.json and chat template (the store records it)."""
-    digest = hashlib.sha256((tokenizer.folder / "tokenizer.json").read_bytes())
-    digest.update((tokenizer.chat_template or "").encode())
-    return digest.hexdigest()
 
 
 def _chunks(path: Path, size: int, digest):
@@ -152,40 +147,28 @@ def _init_worker(hf_path: str, settings: dict) -> None:
     _WORKER.update(tokenizer=ChatTokenizer(hf_path), settings=settings)
 
 
+def _record(raw: bytes, where: str, field: str):
+    """One line's text or conversation, checked as training checks it; None for a blank line."""
+    obj = parse_jsonl_line(raw, where)
+    if obj is None:
+        return None
+    record = field_of(obj, field, where, "--text-field (data.text_field)")
+    check_record(record, where, field)
+    return record
+
+
 def _tokenize(task) -> dict:
     """One chunk in a worker: parse and check each line, tokenize the good records, the arrays to write."""
-    from ..data.sft import check_record
-
     path, first, lines = task
     settings = _WORKER["settings"]
     field = settings["text_field"]
-    records, errors = [], []
+    records, bad = [], BadLines()
     for number, raw in enumerate(lines, first):
-        where = f"{path}:{number}"
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-        except UnicodeDecodeError:
-            errors.append(f"{where} is not UTF-8 text.")
-            continue
-        except json.JSONDecodeError as exc:
-            errors.append(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}).")
-            continue
-        if not isinstance(obj, dict):
-            errors.append(f"{where} is a JSON {type(obj).__name__}, not an object.")
-        elif field not in obj:
-            errors.append(f"{where} has no field {field!r} (it has {sorted(obj)}); set --text-field "
-                          "(data.text_field) to the field that holds the text (chat data: the list of messages, "
-                          "e.g. messages).")  # fmt: skip
-        else:
-            try:
-                check_record(obj[field], where, field)
-                records.append(obj[field])
-            except ValueError as exc:
-                errors.append(str(exc))
-    if errors:
-        return {"errors": errors}
+        record = bad.check(_record, raw, f"{path}:{number}", field)
+        if record is not None:
+            records.append(record)
+    if bad.messages:
+        return {"errors": bad.messages}
     chunk = tokenize_chunk(
         records,
         _WORKER["tokenizer"],
@@ -200,7 +183,8 @@ def _tokenize(task) -> dict:
         "lengths": np.array([len(ids) for ids, _ in chunk.samples], dtype=np.int64),
         "spans": np.concatenate(spans) if spans else np.zeros(0, np.int32),
         "span_lengths": np.array([len(s) for s in spans], dtype=np.int64),
-        "learned_target": any(np.any(mask[1:]) for _, mask in chunk.samples),
+        "any_learned": chunk.any_learned,
+        "learned_tokens": chunk.learned_tokens,
         "max_token_id": max((int(ids.max()) for ids, _ in chunk.samples if len(ids)), default=0),
         "info": chunk_info(chunk),
     }
@@ -214,7 +198,7 @@ def _write(source: Path, folder: Path, tokenizer, settings: dict, workers: int, 
     tasks = _chunks(source, chunk_records, digest)
     totals = {"num_records": 0, "num_samples": 0, "num_tokens": 0, "long_samples_split": 0,
               "long_samples_truncated": 0, "long_samples_dropped": 0}  # fmt: skip
-    learned, stored, any_target, largest, bad = 0.0, 0, False, 0, BadLines()
+    learned, stored, any_learned, largest, bad = 0.0, 0, False, 0, BadLines()
     meter = _Progress(progress)
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.folder), settings)) as pool:
@@ -230,22 +214,20 @@ def _write(source: Path, folder: Path, tokenizer, settings: dict, workers: int, 
             info = result["info"]
             for key in totals:
                 totals[key] += info[key]
-            learned += info["learned_token_share"] * info["num_tokens"]
+            learned += result["learned_tokens"]
             stored += int(result["lengths"].sum())
-            any_target |= result["learned_target"]
+            any_learned |= result["any_learned"]
             largest = max(largest, result["max_token_id"])
             meter.update(totals["num_records"], totals["num_samples"], stored)
         meter.close()
         bad.raise_any()
         tokens.finalize()
         spans.finalize()
-    if totals["num_samples"] == 0:
-        raise ValueError(f"No samples are left: {totals['long_samples_dropped']} of {totals['num_records']} records "
-                         f"are longer than --max-sample-tokens={settings['max_sample_tokens']} and were dropped "
-                         "(or the file has no records). Raise it, or use --long-samples truncate.")  # fmt: skip
-    if not any_target:
-        raise ValueError("No token of the data set is learned: conversations need an assistant turn (only those are "
-                         "learned), or pass --learn-prompt.")  # fmt: skip
+    if totals["num_records"] == 0:
+        raise ValueError(f"{source} holds no records; the data set is empty.")
+    check_outcome(num_records=totals["num_records"], num_samples=totals["num_samples"],
+                  dropped=totals["long_samples_dropped"], any_learned=any_learned,
+                  max_sample_tokens=settings["max_sample_tokens"], keys=_FLAGS)  # fmt: skip
     totals["learned_token_share"] = learned / totals["num_tokens"] if totals["num_tokens"] else 0.0
     totals["stored_tokens"] = stored
     totals["max_token_id"] = largest

@@ -15,6 +15,7 @@ counted twice.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from datetime import datetime
 from pathlib import Path
@@ -41,6 +42,14 @@ class ChatTokenizer:
         template_path = self.folder / "chat_template.jinja"
         self.chat_template = template_path.read_text() if template_path.is_file() else self.config.get("chat_template")
         self._template = None  # compiled on first use: jinja's compile costs more than a render
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies the tokenization: the sha256 of tokenizer.json and the chat template (a prepared
+        store records it; training from the store checks it)."""
+        digest = hashlib.sha256((self.folder / "tokenizer.json").read_bytes())
+        digest.update((self.chat_template or "").encode())
+        return digest.hexdigest()
 
     @property
     def vocab_size(self) -> int:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-__all__ = ["BadLines", "read_jsonl_objects"]
+__all__ = ["BadLines", "field_of", "parse_jsonl_line", "read_jsonl_objects"]
 
 T = TypeVar("T")
 
@@ -61,21 +61,37 @@ def read_jsonl_objects(path: str) -> list[tuple[int, dict]]:
     records, bad = [], BadLines()
     with file.open("rb") as f:
         for number, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                bad.add(f"{path}:{number} is not UTF-8 text (byte {exc.start} of the line); save the file as UTF-8.")
-                continue
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as exc:
-                bad.add(f"{path}:{number} is not valid JSON ({exc.msg} at column {exc.colno}).")
-                continue
-            if not isinstance(record, dict):
-                bad.add(f"{path}:{number} is a {type(record).__name__}, not a JSON object; one per line.")
-                continue
-            records.append((number, record))
+            record = bad.check(parse_jsonl_line, raw, f"{path}:{number}")
+            if record is not None:
+                records.append((number, record))
     bad.raise_any()
     return records
+
+
+def parse_jsonl_line(raw: bytes, where: str) -> dict | None:
+    """One line (bytes) as a JSON object; None for a blank line; a `ValueError` naming ``where``
+    (``file:line``) when it is not UTF-8, not JSON, or not an object."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{where} is not UTF-8 text (byte {exc.start} of the line); save the file as UTF-8.") from None
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line.rstrip("\r\n"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{where} is not valid JSON ({exc.msg} at column {exc.colno}).") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"{where} is a {type(record).__name__}, not a JSON object; one per line.")
+    return record
+
+
+def field_of(record: dict, field: str, where: str, key: str):
+    """``record[field]``, or a `ValueError` naming ``where``, the fields present and ``key`` (the setting
+    that names the field)."""
+    if field not in record:
+        raise ValueError(
+            f"{where} has no field {field!r} (it has {sorted(record)}); set {key} to the field that holds the "
+            "text (chat data: the list of messages, e.g. messages)."
+        )
+    return record[field]

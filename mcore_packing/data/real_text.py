@@ -113,17 +113,14 @@ def real_corpus_lengths(corpus: str, encoding: str = DEFAULT_ENCODING) -> np.nda
 def read_jsonl_field(path: str, field: str, *, key: str = "the field name") -> list[tuple[int, object]]:
     """``(line, value)`` of ``field`` in every record of a JSONL file as stored (text, or a list of chat
     messages); ``key`` is the setting that names the field (for the error)."""
-    from .jsonl import BadLines, read_jsonl_objects
+    from .jsonl import BadLines, field_of, read_jsonl_objects
 
     texts, bad = [], BadLines()
     for line_no, record in read_jsonl_objects(path):
-        if field not in record:
-            bad.add(
-                f"{path}:{line_no} has no field {field!r} (it has {sorted(record)}); set {key} to the field that "
-                "holds the text (chat data: the list of messages, e.g. messages)."
-            )
-        else:
-            texts.append((line_no, record[field]))
+        try:
+            texts.append((line_no, field_of(record, field, f"{path}:{line_no}", key)))
+        except ValueError as exc:
+            bad.add(str(exc))
     bad.raise_any()
     if not texts:
         raise ValueError(f"{path} holds no records; the data set is empty.")

@@ -33,8 +33,8 @@ from .jsonl import BadLines
 from .real_text import champ_conversations, get_tokenizer, read_jsonl_field
 from .sample import SequenceSample
 
-__all__ = ["LONG_SAMPLE_POLICIES", "ROLES", "SftData", "TokenizedChunk", "check_messages", "check_record",
-           "load_sft_data", "tokenize_chunk"]  # fmt: skip
+__all__ = ["LONG_SAMPLE_POLICIES", "ROLES", "SftData", "TokenizedChunk", "check_messages", "check_outcome",
+           "check_record", "chunk_info", "evenly_spaced", "load_sft_data", "tokenize_chunk"]  # fmt: skip
 
 UNK_ID = 0
 LONG_SAMPLE_POLICIES = ("drop", "truncate", "split", "error")
@@ -75,6 +75,14 @@ def _records(source: str, path: str | None, text_field: str) -> list:
         bad.check(check_record, record, f"{path}:{line}", text_field)
     bad.raise_any()
     return [r for _, r in records]
+
+
+def evenly_spaced(total: int, count: int | None) -> np.ndarray:
+    """``count`` indices spread evenly over ``range(total)``, first and last included (CHAMP is ordered by
+    problem, so the first N would be a few problems); all of them when ``count`` is None or not smaller."""
+    if count is None or count >= total:
+        return np.arange(total)
+    return np.linspace(0, total - 1, count).round().astype(np.int64)
 
 
 def check_record(record, where: str, text_field: str) -> None:
@@ -165,6 +173,11 @@ class TokenizedChunk:
     num_tokens: int  # of the non-empty records, before the policy
     learned_tokens: float
 
+    @property
+    def any_learned(self) -> bool:
+        """Whether some sample has a learned target (token 1 on: token 0 is never a target)."""
+        return any(np.any(mask[1:]) for _, mask in self.samples)
+
 
 def _apply_policy(encoded: list[_Encoded], num_records: int, long_samples, max_sample_tokens: int,
                   remap=None) -> TokenizedChunk:  # fmt: skip
@@ -210,10 +223,7 @@ def load_sft_data(
 ) -> SftData:
     """Load, tokenize and apply the long-sample policy (see the module docstring)."""
     records = _records(source, path, text_field)
-    if num_samples is not None and num_samples < len(records):
-        # Evenly spaced over the corpus (CHAMP is ordered by problem), deterministic.
-        picks = np.linspace(0, len(records) - 1, num_samples).round().astype(int)
-        records = [records[i] for i in picks]
+    records = [records[i] for i in evenly_spaced(len(records), num_samples)]
     if tokenizer_path is not None:
         from .hf_tokenizer import ChatTokenizer
 
@@ -228,7 +238,8 @@ def load_sft_data(
         remap, unk_share = _compact_vocab(encoded, vocab_size)
         chunk = _apply_policy(encoded, len(records), long_samples, max_sample_tokens, remap)
     samples = [SequenceSample(ids, mask) for ids, mask in chunk.samples]
-    check_outcome(chunk, max_sample_tokens)
+    check_outcome(num_records=chunk.num_records, num_samples=len(samples), dropped=chunk.outcomes["dropped"],
+                  any_learned=chunk.any_learned, max_sample_tokens=max_sample_tokens)  # fmt: skip
     info = {
         "source": source,
         "tokenizer": tokenizer_path or f"quicktok:{encoding} (compact)",
@@ -239,19 +250,24 @@ def load_sft_data(
     return SftData(samples=samples, vocab_size=vocab_size, info=info)
 
 
-def check_outcome(chunk: TokenizedChunk, max_sample_tokens: int) -> None:
+DATA_KEYS = {"limit": "data.max_sample_tokens", "truncate": "set data.long_samples=truncate",
+             "learn": "set data.learn_prompt=true"}  # fmt: skip
+"""How `check_outcome`'s fixes name the settings (``prepare`` names its flags)."""
+
+
+def check_outcome(*, num_records: int, num_samples: int, dropped: int, any_learned: bool, max_sample_tokens: int,
+                  keys: dict = DATA_KEYS) -> None:  # fmt: skip
     """A data set with no sample left, or none with a learned token, is refused (the fix named)."""
-    samples = chunk.samples
-    if samples and not any(np.any(mask[1:]) for _, mask in samples):
+    if num_samples and not any_learned:
         raise ValueError(
             "No token of the data set is learned: conversations need an assistant turn (only those are learned), "
-            "or set data.learn_prompt=true to learn every turn."
+            f"or {keys['learn']} to learn every turn."
         )
-    if not samples:
+    if not num_samples:
         raise ValueError(
-            f"No samples are left: {chunk.outcomes['dropped']} of {chunk.num_records} records are longer than "
-            f"data.max_sample_tokens={max_sample_tokens} and were dropped. Raise data.max_sample_tokens, or set "
-            "data.long_samples=truncate (conversations: keep the turns that fit)."
+            f"No samples are left: {dropped} of {num_records} records are longer than {keys['limit']}="
+            f"{max_sample_tokens} and were dropped. Raise {keys['limit']}, or {keys['truncate']} (conversations: "
+            "keep the turns that fit)."
         )
 
 

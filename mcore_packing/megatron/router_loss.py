@@ -168,11 +168,12 @@ class RouterLoss:
                 f"the router sees {logits.shape[0]} tokens but the micro-batch's segment map has "
                 f"{segments.numel()}; the schedule must hand this stage's share (begin_micro_batch)."
             )
-        real = (segments >= 0).unsqueeze(-1)
+        pads = segments < 0
+        real = (~pads).unsqueeze(-1)
         share = logits.new_zeros(())
         values = []
         if self.config.balance_on:
-            balance = self._balance_share(router, logits, segments.clamp_min(0), real, num_experts)
+            balance = self._balance_share(router, logits, segments.clamp_min(0), pads, num_experts)
             share = share + self.config.balance_coeff * balance / step.num_sequences
             values.append(balance.detach() / step.num_sequences)
         else:
@@ -190,17 +191,16 @@ class RouterLoss:
 
         return MoEAuxLossAutoScaler.apply(probs, share * step.output_scale), routing_map
 
-    def _balance_share(self, router, logits, index, real, num_experts) -> torch.Tensor:
-        """This rank's share of sum_s E / (K T_s^2) sum_i c_si S_si over the micro-batch's sequences."""
+    def _balance_share(self, router, logits, index, pads, num_experts) -> torch.Tensor:
+        """This rank's share of sum_s E / (K T_s^2) sum_i c_si S_si over the micro-batch's sequences. The
+        scores and the (bias-free) top-k are Megatron's own for its aux losses; pads choose no expert."""
+        from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
+
         topk = router.topk
-        if router.score_function == "softmax":
-            scores = torch.softmax(logits, dim=-1)
-        else:
-            scores = torch.sigmoid(logits)
-            scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-        chosen = torch.zeros_like(scores).scatter(1, torch.topk(scores, k=topk, dim=1).indices, 1.0) * real
+        chosen, scores = compute_routing_scores_for_aux_loss(logits, topk, router.score_function, padding_mask=pads)
+        real = (~pads).unsqueeze(-1)
         num_sequences = self._lengths.numel()
-        counts = scores.new_zeros(num_sequences, num_experts).index_add(0, index, chosen.detach())
+        counts = scores.new_zeros(num_sequences, num_experts).index_add(0, index, chosen.to(scores.dtype))
         if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:
             dist.all_reduce(counts, group=self.reduce_group)  # the sequence's tokens on every TP/CP shard
         sums = scores.new_zeros(num_sequences, num_experts).index_add(0, index, scores * real)

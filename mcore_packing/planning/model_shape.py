@@ -36,6 +36,9 @@ _SPLIT_DEPENDENT = {
     "the step (an exact global-batch loss needs every token's routing before the first backward), so it also "
     "depends on the batch split",
 }
+MOE_TRAINING_FIELDS = ("moe_load_balancing", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+"""How an MoE model is trained, not what it is: a checkpoint's config.json does not set them (the run's
+config does, with or without ``model.hf_path``)."""
 
 
 def check_balance_loss(kind: str, coeff: float, prefix: str = "model.") -> None:
@@ -47,9 +50,6 @@ def check_balance_loss(kind: str, coeff: float, prefix: str = "model.") -> None:
             f"{prefix}moe_load_balancing=seq_aux_loss (per sequence, exact whatever the split), or set "
             f"{prefix}moe_aux_loss_coeff=0."
         )
-MOE_TRAINING_FIELDS = ("moe_load_balancing", "moe_aux_loss_coeff", "moe_z_loss_coeff")
-"""How an MoE model is trained, not what it is: a checkpoint's config.json does not set them (the run's
-config does, with or without ``model.hf_path``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

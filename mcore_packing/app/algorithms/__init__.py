@@ -25,7 +25,7 @@ from importlib import import_module
 
 from ...data.sample import SequenceSample
 
-__all__ = ["ALGORITHMS", "RunData", "get_algorithm", "step_metrics"]
+__all__ = ["ALGORITHMS", "RunData", "get_algorithm", "refuse_prepared_data", "step_metrics"]
 
 ALGORITHMS = ("sft", "grpo", "dpo")
 
@@ -35,6 +35,17 @@ def get_algorithm(name: str):
     if name not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}.")
     return import_module(f".{name}", __name__)
+
+
+def refuse_prepared_data(cfg, reads: str) -> None:
+    """``data.prepared`` holds SFT samples; an algorithm reading ``reads`` refuses it, naming the key."""
+    if cfg.data.prepared is not None:
+        from ..config import ConfigError
+
+        raise ConfigError(
+            f"data.prepared is read by algorithm=sft in this version; algorithm={cfg.algorithm} reads {reads}. "
+            "Unset data.prepared.", key="data.prepared",
+        )  # fmt: skip
 
 
 def step_metrics(metrics: dict, **pass_seconds: float) -> dict:

@@ -13,15 +13,11 @@ from __future__ import annotations
 from ...data.preference import load_preference_data, pair_ids
 from ...losses.rollouts import group_members
 from ..config import ConfigError, budget_key
-from . import RunData, step_metrics
+from . import RunData, refuse_prepared_data, step_metrics
 
 
 def check_config(cfg) -> None:
-    if cfg.data.prepared is not None:
-        raise ConfigError(
-            f"data.prepared is read by algorithm=sft in this version; algorithm={cfg.algorithm} reads dpo.pairs. "
-            "Unset data.prepared.", key="data.prepared",
-        )  # fmt: skip
+    refuse_prepared_data(cfg, "dpo.pairs")
     if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
         raise ConfigError(
             "algorithm=dpo keeps each (chosen, rejected) pair in one micro-batch: it needs sequence_packing.enabled"

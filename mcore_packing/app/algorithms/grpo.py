@@ -15,15 +15,11 @@ from ...losses.rollouts import (
     rollout_samples,
 )
 from ..config import ConfigError, budget_key
-from . import RunData, step_metrics
+from . import RunData, refuse_prepared_data, step_metrics
 
 
 def check_config(cfg) -> None:
-    if cfg.data.prepared is not None:
-        raise ConfigError(
-            f"data.prepared is read by algorithm=sft in this version; algorithm={cfg.algorithm} reads grpo.rollouts. "
-            "Unset data.prepared.", key="data.prepared",
-        )  # fmt: skip
+    refuse_prepared_data(cfg, "grpo.rollouts")
     batched = cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled
     if cfg.grpo.keep_groups_together and not batched:
         raise ConfigError(

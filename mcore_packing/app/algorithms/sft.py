@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from ...data.sft import load_sft_data
+from ...data.sft import evenly_spaced, load_sft_data
 from ...planning import plan_step
 from ..config import ConfigError
 from . import RunData
@@ -39,7 +39,6 @@ def load_prepared(cfg) -> RunData:
     picks that many evenly spaced ones (as from a JSONL file). With ``model.hf_path`` the store must have
     been tokenized by that checkpoint's tokenizer."""
     from ...data.store import PreparedStore
-    from ..prepare_command import tokenizer_digest
 
     try:
         store = PreparedStore(cfg.data.prepared)
@@ -49,7 +48,7 @@ def load_prepared(cfg) -> RunData:
         from ...data.hf_tokenizer import ChatTokenizer
 
         try:
-            ours = tokenizer_digest(ChatTokenizer(cfg.model.hf_path))
+            ours = ChatTokenizer(cfg.model.hf_path).fingerprint
         except FileNotFoundError as exc:
             raise ConfigError(f"model.hf_path: {exc}", key="model.hf_path") from None
         if ours != store.manifest["tokenizer"]["sha256"]:
@@ -59,9 +58,7 @@ def load_prepared(cfg) -> RunData:
                 "with --hf-path set to this model.", key="data.prepared",
             )  # fmt: skip
     _warn_ignored_data_keys(cfg, store)
-    ids = np.arange(len(store))
-    if cfg.data.num_samples is not None and cfg.data.num_samples < len(store):
-        ids = np.linspace(0, len(store) - 1, cfg.data.num_samples).round().astype(np.int64)
+    ids = evenly_spaced(len(store), cfg.data.num_samples)
     return RunData(
         samples=_StoreSamples(store, ids),
         vocab_size=store.vocab_size,
