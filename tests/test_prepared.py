@@ -197,3 +197,20 @@ def test_a_run_on_a_store_resumes_exactly_and_refuses_another_store(tmp_path, mo
             long_samples="truncate", learn_prompt=True)  # fmt: skip
     other = train(tmp_path / "run", *steps, "training.steps=6", "resume=true")
     assert other.returncode == 2 and "trained on another data set" in other.stderr, other.stderr[-2000:]
+
+
+def test_bad_prepare_flags_exit_2_naming_the_flag(tmp_path, model, jsonl, capsys):
+    from mcore_packing.app.prepare_command import main
+
+    out = str(tmp_path / "store")
+    base = ["--input", str(jsonl), "--out", out, "--hf-path", str(model), "--text-field", "messages"]
+    for argv, message in [
+        (["--input", str(tmp_path / "none.jsonl"), "--out", out, "--hf-path", str(model)], "none.jsonl does not exist"),
+        ([*base, "--workers", "0"], "--workers=0: use a positive integer"),
+        ([*base, "--chunk-records", "-3"], "--chunk-records=-3: use a positive integer"),
+        ([*base, "--max-sample-tokens", "0"], "--max-sample-tokens=0: use a positive integer"),
+        ([*base[:-4], "--hf-path", str(tmp_path)], "tokenizer.json does not exist"),
+    ]:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "store").exists()
