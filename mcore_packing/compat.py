@@ -8,6 +8,8 @@
   ``scale`` and ``enable_gqa`` later); `varlen_attention` calls either. ``all_gather_into_tensor`` is
   deprecated for ``all_gather_single`` in newer torch (a FutureWarning on every CP step); `all_gather_into`
   calls whichever exists.
+- pyarrow: optional (``pip install 'mcore-packing[arrow]'``): ``prepare`` reads Parquet files and Hugging Face
+  ``datasets`` folders (``save_to_disk``: Arrow stream files) through it; JSONL needs nothing.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "megatron_core_version",
     "packed_seq_params_fields",
     "require_megatron",
+    "require_pyarrow",
     "te_available",
     "te_thd_partitioned_indices",
     "varlen_attention",
@@ -111,6 +114,18 @@ def require_megatron():
     except ImportError as exc:
         raise ImportError(
             "mcore_packing's Megatron integration needs megatron-core (>=0.16,<0.20): pip install 'megatron-core'."
+        ) from exc
+
+
+def require_pyarrow():
+    """Import pyarrow (with ``pyarrow.parquet``) or raise an ImportError that says how to install it."""
+    try:
+        importlib.import_module("pyarrow.parquet")
+        return importlib.import_module("pyarrow")
+    except ImportError as exc:
+        raise ImportError(
+            "reading Parquet files and Hugging Face datasets folders needs pyarrow: pip install "
+            "'mcore-packing[arrow]' (or pyarrow>=14). JSONL input needs nothing more."
         ) from exc
 
 

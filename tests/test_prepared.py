@@ -153,7 +153,7 @@ def test_training_and_planning_from_the_store_equal_them_from_the_jsonl(tmp_path
 
 def test_the_store_wins_over_the_runs_data_keys_and_says_so(tmp_path, model, jsonl):
     from mcore_packing.app.algorithms.sft import load_data
-    from mcore_packing.app.config import ConfigError, validate_layout
+    from mcore_packing.app.config import ConfigError
     from mcore_packing.app.train_command import compose_config
 
     prepare(jsonl, tmp_path / "store", hf_path=model, text_field="messages", max_sample_tokens=1024)
@@ -169,8 +169,6 @@ def test_the_store_wins_over_the_runs_data_keys_and_says_so(tmp_path, model, jso
     with pytest.raises(ConfigError, match=r"tokenizer or chat template differs from model\.hf_path"):
         load_data(compose_config(None, [*base, f"model.hf_path={other}"]))
     load_data(compose_config(None, [*base, f"model.hf_path={model}"]))  # control: its own tokenizer
-    with pytest.raises(ConfigError, match=r"data\.prepared is read by algorithm=sft in this version"):
-        validate_layout(compose_config(None, [*base, "algorithm=dpo", "dpo.pairs=x.jsonl"]), 1)
 
 
 @pytest.mark.slow

@@ -1,15 +1,19 @@
-"""``python -m mcore_packing prepare``: tokenize a JSONL data set once, in parallel, into a store that
-training (``data.prepared=STORE``) and planning (``plan --prepared STORE``) read through memory maps.
+"""``python -m mcore_packing prepare``: tokenize a data set once, in parallel, into a store that training
+(``data.prepared=STORE``) and planning (``plan --prepared STORE``) read through memory maps.
 
     python -m mcore_packing prepare --input data.jsonl --out store --hf-path /models/Qwen3-8B [--workers 8]
+    python -m mcore_packing prepare --input pairs.parquet --out pairs --kind pairs --hf-path /models/Qwen3-8B
+    python -m mcore_packing prepare --input rollouts.jsonl --out rollouts --kind rollouts
 
-The JSONL is streamed (never whole in memory) in chunks of ``--chunk-records`` lines; worker processes
-parse and check each chunk (the same checks as training: `data.sft.check_record`), tokenize it with the
-checkpoint's tokenizer and chat template in one batch, and apply the long-sample policy
-(`data.sft.tokenize_chunk`: exactly what ``load_sft_data`` does); the parent writes the chunks in input
-order in Megatron-Core's indexed-dataset format (`data.store.IndexedWriter`; the store's layout:
-`data.store`). Bad lines are gathered over the whole file and reported together (up to 10,
-``file:line``), and nothing is written.
+``--input`` is a JSONL or Parquet file, a folder of shards, or a Hugging Face ``datasets`` folder from
+``save_to_disk`` (`data.sources.RecordSource`); ``--kind`` says what its records are: ``sft`` (text or chat
+``messages`` in ``--text-field``), ``pairs`` (DPO: prompt, chosen, rejected) or ``rollouts`` (GRPO:
+prompt_tokens, response_tokens, reward, group_id, generation_logprobs). The records are streamed (never
+whole in memory) in chunks of ``--chunk-records``; worker processes check and tokenize each chunk exactly as
+training does (`app.prepare_records`); the parent writes the chunks in input order in Megatron-Core's
+indexed-dataset format (`data.store.IndexedWriter`; the store's layout: `data.store`). Bad records are
+gathered over the whole input and reported together (up to 10, ``file:line`` or ``file row N``), and
+nothing is written.
 
 The store is built in a hidden ``.<name>.partial`` folder beside ``--out`` and renamed when complete, so
 an interrupted prepare never leaves a store that opens. A progress line on stderr gives records, samples
@@ -29,14 +33,15 @@ from pathlib import Path
 
 import numpy as np
 
-from ..data.jsonl import BadLines, field_of, parse_jsonl_line
-from ..data.sft import LONG_SAMPLE_POLICIES, check_outcome, check_record, chunk_info, tokenize_chunk
-from ..data.store import FILES, FORMAT, MANIFEST, IndexedWriter, file_digest, spans_from_mask, token_dtype
+from ..data.jsonl import BadLines
+from ..data.sft import LONG_SAMPLE_POLICIES, check_outcome
+from ..data.sources import RecordSource
+from ..data.store import FORMAT, KINDS, MANIFEST, IndexedWriter, file_digest, store_files, token_dtype
 from .config import DataConfig
+from .prepare_records import encode_chunk, init_worker
 
 __all__ = ["main", "prepare"]
 
-_WORKER: dict = {}
 _FLAGS = {"limit": "--max-sample-tokens", "truncate": "pass --long-samples truncate", "learn": "pass --learn-prompt"}
 """How the shared data checks name this command's settings (`data.sft.check_outcome`)."""
 
@@ -45,9 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     defaults = DataConfig()
     p = argparse.ArgumentParser(prog="python -m mcore_packing prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--input", required=True, help="a JSONL file (one record per line)")
+    p.add_argument("--input", required=True, help="a JSONL or Parquet file, a folder of them, or a datasets folder")
     p.add_argument("--out", required=True, help="the store folder to write (must not exist)")
-    p.add_argument("--hf-path", required=True, help="the model folder whose tokenizer.json and chat template to use")
+    p.add_argument("--kind", default="sft", choices=KINDS, help="what the records are (default: sft)")
+    p.add_argument("--hf-path", help="the model folder whose tokenizer.json and chat template to use (needed for "
+                   "text and chat; token-id pairs and rollouts need none)")  # fmt: skip
+    p.add_argument("--split", help="the split of a Hugging Face DatasetDict folder (default: train)")
     p.add_argument("--text-field", default=defaults.text_field, help="data.text_field: the text or the messages")
     p.add_argument("--max-sample-tokens", type=int, default=defaults.max_sample_tokens, help="data.max_sample_tokens")
     p.add_argument("--long-samples", default=defaults.long_samples, choices=LONG_SAMPLE_POLICIES,
@@ -63,52 +71,66 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         manifest = prepare(
-            args.input, args.out, hf_path=args.hf_path, text_field=args.text_field,
+            args.input, args.out, kind=args.kind, hf_path=args.hf_path, split=args.split, text_field=args.text_field,
             max_sample_tokens=args.max_sample_tokens, long_samples=args.long_samples, learn_prompt=args.learn_prompt,
             workers=args.workers, chunk_records=args.chunk_records, progress=not args.no_progress,
         )  # fmt: skip
-    except (ValueError, FileNotFoundError, FileExistsError) as exc:
+    except (ValueError, FileNotFoundError, FileExistsError, ImportError) as exc:
         print(f"prepare error: {exc}", file=sys.stderr)
         return 2
     counts = manifest["counts"]
-    print(f"prepared {args.out}: {counts['num_samples']} samples, {counts['num_tokens']} tokens from "
-          f"{counts['num_records']} records ({counts['long_samples_dropped']} dropped, "
-          f"{counts['long_samples_truncated']} truncated, {counts['long_samples_split']} split) in "
-          f"{manifest['seconds']:.1f} s")  # fmt: skip
+    what = {"sft": lambda: f"{counts['long_samples_dropped']} dropped, {counts['long_samples_truncated']} "
+                           f"truncated, {counts['long_samples_split']} split",
+            "pairs": lambda: f"{counts['pairs']} pairs, {counts['pairs_dropped_too_long']} dropped as too long",
+            "rollouts": lambda: f"{counts['groups']} groups"}[args.kind]()  # fmt: skip
+    print(f"prepared {args.out} ({args.kind}): {counts['num_samples']} samples, {counts['num_tokens']} tokens from "
+          f"{counts['num_records']} records ({what}) in {manifest['seconds']:.1f} s")  # fmt: skip
     return 0
 
 
-def prepare(input_path, out, *, hf_path, text_field="text", max_sample_tokens=2048, long_samples=None,
-            learn_prompt=False, workers=1, chunk_records=1000, progress=False) -> dict:  # fmt: skip
-    """Write the store ``out`` from the JSONL ``input_path`` (see the module docstring); its manifest."""
-    from ..data.hf_tokenizer import ChatTokenizer
+def _settings(kind: str, text_field: str, max_sample_tokens: int, long_samples, learn_prompt: bool) -> dict:
+    """The ``data.*`` settings a store of ``kind`` was tokenized with (its manifest records them)."""
+    if kind == "sft":
+        return {"text_field": text_field, "max_sample_tokens": max_sample_tokens, "long_samples": long_samples,
+                "learn_prompt": learn_prompt}  # fmt: skip
+    return {"max_sample_tokens": max_sample_tokens} if kind == "pairs" else {}
 
-    start = time.perf_counter()
-    source, out = Path(input_path), Path(out)
-    if not source.is_file():
-        raise FileNotFoundError(f"--input {source} does not exist (a JSONL file, one record per line).")
+
+def prepare(input_path, out, *, kind="sft", hf_path=None, split=None, text_field="text", max_sample_tokens=2048,
+            long_samples=None, learn_prompt=False, workers=1, chunk_records=1000, progress=False) -> dict:  # fmt: skip
+    """Write the store ``out`` from ``input_path`` (see the module docstring); its manifest."""
+    start, out = time.perf_counter(), Path(out)
+    if kind not in KINDS:
+        raise ValueError(f"--kind {kind}: use one of {', '.join(KINDS)}.")
+    source = RecordSource(input_path, split=split)
     if out.exists():
         raise FileExistsError(f"--out {out} exists; remove it or choose another folder.")
     for name, value in (("--workers", workers), ("--chunk-records", chunk_records), ("--max-sample-tokens",
                                                                                      max_sample_tokens)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value}: use a positive integer.")
-    tokenizer = ChatTokenizer(hf_path)
-    settings = {"text_field": text_field, "max_sample_tokens": max_sample_tokens, "long_samples": long_samples,
-                "learn_prompt": learn_prompt}  # fmt: skip
+    if hf_path is None and kind == "sft":
+        raise ValueError("--kind sft tokenizes text: pass --hf-path (the model folder with tokenizer.json).")
+    tokenizer = None
+    if hf_path is not None:
+        from ..data.hf_tokenizer import ChatTokenizer
+
+        tokenizer = ChatTokenizer(hf_path)
+    settings = _settings(kind, text_field, max_sample_tokens, long_samples, learn_prompt)
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # a previous prepare's remains
     partial.mkdir(parents=True)
     try:
-        counts, source_digest = _write(source, partial, tokenizer, settings, workers, chunk_records, progress)
+        counts, source_digest = _write(source, partial, kind, tokenizer, settings, workers, chunk_records, progress)
         manifest = {
             "format": FORMAT,
-            "source": {"path": str(source.resolve()), "bytes": source.stat().st_size, "sha256": source_digest},
-            "tokenizer": {"name": str(hf_path), "sha256": tokenizer.fingerprint},
-            "vocab_size": tokenizer.vocab_size,
+            "kind": kind,
+            "source": _source_record(source, source_digest),
+            "tokenizer": None if tokenizer is None else {"name": str(hf_path), "sha256": tokenizer.fingerprint},
+            "vocab_size": tokenizer.vocab_size if tokenizer is not None else counts["max_token_id"] + 1,
             "settings": settings,
             "counts": counts,
-            "files": {name: _file_record(partial / name) for name in FILES},
+            "files": {name: _file_record(partial / name) for name in store_files(kind)},
             "seconds": time.perf_counter() - start,
         }
         (partial / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -119,119 +141,113 @@ def prepare(input_path, out, *, hf_path, text_field="text", max_sample_tokens=20
     return manifest
 
 
+def _source_record(source: RecordSource, digest: str) -> dict:
+    return {"path": str(source.path.resolve()), "form": source.form, "files": len(source.files),
+            "bytes": source.bytes, "sha256": digest}  # fmt: skip
+
+
 def _file_record(path: Path) -> dict:
-    """A file's size, and for the (small) indexes their sha256 too."""
-    return {"bytes": path.stat().st_size, **({"sha256": file_digest(path)} if path.suffix == ".idx" else {})}
+    """A file's size, and for the small ones (indexes, JSON) their sha256 too."""
+    small = path.suffix in (".idx", ".json")
+    return {"bytes": path.stat().st_size, **({"sha256": file_digest(path)} if small else {})}
 
 
-def _chunks(path: Path, size: int, digest):
-    """``(first line number, [lines])`` of ``path``, streamed; ``digest`` sees every byte."""
-    lines, first = [], 1
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, 1):
-            digest.update(raw)
-            if not lines:
-                first = number
-            lines.append(raw)
-            if len(lines) == size:
-                yield str(path), first, lines
-                lines = []
-    if lines:
-        yield str(path), first, lines
-
-
-def _init_worker(hf_path: str, settings: dict) -> None:
-    os.environ.setdefault("RAYON_RS_NUM_CPUS", "1")  # one tokenizer thread per process: processes are the parallelism
-    from ..data.hf_tokenizer import ChatTokenizer
-
-    _WORKER.update(tokenizer=ChatTokenizer(hf_path), settings=settings)
-
-
-def _record(raw: bytes, where: str, field: str):
-    """One line's text or conversation, checked as training checks it; None for a blank line."""
-    obj = parse_jsonl_line(raw, where)
-    if obj is None:
-        return None
-    record = field_of(obj, field, where, "--text-field (data.text_field)")
-    check_record(record, where, field)
-    return record
-
-
-def _tokenize(task) -> dict:
-    """One chunk in a worker: parse and check each line, tokenize the good records, the arrays to write."""
-    path, first, lines = task
-    settings = _WORKER["settings"]
-    field = settings["text_field"]
-    records, bad = [], BadLines()
-    for number, raw in enumerate(lines, first):
-        record = bad.check(_record, raw, f"{path}:{number}", field)
-        if record is not None:
-            records.append(record)
-    if bad.messages:
-        return {"errors": bad.messages}
-    chunk = tokenize_chunk(
-        records,
-        _WORKER["tokenizer"],
-        learn_prompt=settings["learn_prompt"],
-        long_samples=settings["long_samples"],
-        max_sample_tokens=settings["max_sample_tokens"],
-    )
-    spans = [spans_from_mask(mask) for _, mask in chunk.samples]
-    return {
-        "errors": [],
-        "ids": np.concatenate([ids for ids, _ in chunk.samples]) if chunk.samples else np.zeros(0, np.int64),
-        "lengths": np.array([len(ids) for ids, _ in chunk.samples], dtype=np.int64),
-        "spans": np.concatenate(spans) if spans else np.zeros(0, np.int32),
-        "span_lengths": np.array([len(s) for s in spans], dtype=np.int64),
-        "any_learned": chunk.any_learned,
-        "learned_tokens": chunk.learned_tokens,
-        "max_token_id": max((int(ids.max()) for ids, _ in chunk.samples if len(ids)), default=0),
-        "info": chunk_info(chunk),
-    }
-
-
-def _write(source: Path, folder: Path, tokenizer, settings: dict, workers: int, chunk_records: int,
-           progress: bool) -> tuple[dict, str]:  # fmt: skip
+def _write(source: RecordSource, folder: Path, kind: str, tokenizer, settings: dict, workers: int,
+           chunk_records: int, progress: bool) -> tuple[dict, str]:  # fmt: skip
     import multiprocessing
 
     digest = hashlib.sha256()
-    tasks = _chunks(source, chunk_records, digest)
-    totals = {"num_records": 0, "num_samples": 0, "num_tokens": 0, "long_samples_split": 0,
-              "long_samples_truncated": 0, "long_samples_dropped": 0}  # fmt: skip
-    learned, stored, any_learned, largest, bad = 0.0, 0, False, 0, BadLines()
-    meter = _Progress(progress)
+    writer, bad, meter = _StoreWriter(folder, kind, tokenizer), BadLines(), _Progress(progress)
+    hf_path = None if tokenizer is None else str(tokenizer.folder)
     context = multiprocessing.get_context("fork")
-    with context.Pool(workers, initializer=_init_worker, initargs=(str(tokenizer.folder), settings)) as pool:
-        tokens = IndexedWriter(folder / "tokens", token_dtype(tokenizer.vocab_size))
-        spans = IndexedWriter(folder / "spans", np.int32)
-        for result in pool.imap(_tokenize, tasks):
-            for message in result["errors"]:
+    with context.Pool(workers, initializer=init_worker, initargs=(hf_path, kind, settings)) as pool:
+        for result in pool.imap(encode_chunk, source.chunks(chunk_records, digest)):
+            for message in result["errors"] + (writer.check_forms(result) if not bad.messages else []):
                 bad.add(message)
             if bad.messages:
-                continue  # read on: every bad line is reported at once
-            tokens.add(result["ids"], result["lengths"])
-            spans.add(result["spans"], result["span_lengths"])
-            info = result["info"]
-            for key in totals:
-                totals[key] += info[key]
-            learned += result["learned_tokens"]
-            stored += int(result["lengths"].sum())
-            any_learned |= result["any_learned"]
-            largest = max(largest, result["max_token_id"])
-            meter.update(totals["num_records"], totals["num_samples"], stored)
+                continue  # read on: every bad record is reported at once
+            writer.add(result)
+            meter.update(writer.totals["num_records"], writer.totals["num_samples"], writer.stored)
         meter.close()
-        bad.raise_any()
-        tokens.finalize()
-        spans.finalize()
-    if totals["num_records"] == 0:
-        raise ValueError(f"{source} holds no records; the data set is empty.")
-    check_outcome(num_records=totals["num_records"], num_samples=totals["num_samples"],
-                  dropped=totals["long_samples_dropped"], any_learned=any_learned,
-                  max_sample_tokens=settings["max_sample_tokens"], keys=_FLAGS)  # fmt: skip
-    totals["learned_token_share"] = learned / totals["num_tokens"] if totals["num_tokens"] else 0.0
-    totals["stored_tokens"] = stored
-    totals["max_token_id"] = largest
-    return totals, digest.hexdigest()
+    bad.raise_any()
+    writer.finalize()
+    return writer.counts(source, settings), digest.hexdigest()
+
+
+class _StoreWriter:
+    """Appends the workers' chunks to the store's files, in order, and adds up their counts."""
+
+    def __init__(self, folder: Path, kind: str, tokenizer):
+        self.folder, self.kind, self.tokenizer = folder, kind, tokenizer
+        dtype = token_dtype(tokenizer.vocab_size) if tokenizer is not None else np.int32
+        self.tokens = IndexedWriter(folder / "tokens", dtype)
+        self.spans = IndexedWriter(folder / "spans", np.int32)
+        self.logprobs = IndexedWriter(folder / "logprobs", np.float64) if kind == "rollouts" else None
+        self.rewards, self.group_ids, self.forms = [], [], {}
+        self.totals: dict = {"num_records": 0, "num_samples": 0}
+        self.stored, self.largest, self.any_learned = 0, 0, False
+
+    def check_forms(self, result: dict) -> list[str]:
+        """Pairs are all token ids or all text/chat: a chunk of the other form than the first is refused."""
+        for form, where in result.get("forms", {}).items():
+            if self.forms and form not in self.forms:
+                (first,) = self.forms.values()
+                return [f"{where} mixes token ids and text with {first}; write every pair in one form."]
+            self.forms.setdefault(form, where)
+        return []
+
+    def add(self, result: dict) -> None:
+        self.tokens.add(result["ids"], result["lengths"])
+        self.spans.add(result["spans"], result["span_lengths"])
+        if self.logprobs is not None:
+            self.logprobs.add(result["logprobs"], result["logprob_lengths"])
+            self.rewards += result["rewards"]
+            self.group_ids += result["group_ids"]
+        for key, value in result["info"].items():
+            self.totals[key] = self.totals.get(key, 0) + value
+        self.stored += int(result["lengths"].sum())
+        self.largest = max(self.largest, result["max_token_id"])
+        self.any_learned |= result.get("any_learned", False)
+
+    def finalize(self) -> None:
+        for writer in (self.tokens, self.spans, self.logprobs):
+            if writer is not None:
+                writer.finalize()
+        if self.kind == "rollouts":
+            (self.folder / "rollouts.json").write_text(json.dumps({"rewards": self.rewards,
+                                                                   "group_ids": self.group_ids}))  # fmt: skip
+
+    def counts(self, source: RecordSource, settings: dict) -> dict:
+        """The manifest's counts, after the kind's checks of the whole data set."""
+        totals = dict(self.totals)
+        if totals["num_records"] == 0:
+            raise ValueError(f"{source.path} holds no records; the data set is empty.")
+        if self.tokenizer is not None and self.largest >= self.tokenizer.vocab_size:
+            raise ValueError(f"a token id is {self.largest}, but the tokenizer of --hf-path has "
+                             f"{self.tokenizer.vocab_size} ids; the ids were made by another tokenizer.")  # fmt: skip
+        _check_kind(self.kind, totals, self.any_learned, self.group_ids, settings)
+        if self.kind == "sft":
+            learned = totals.pop("learned_tokens")
+            totals["learned_token_share"] = learned / totals["num_tokens"] if totals["num_tokens"] else 0.0
+        if self.kind == "rollouts":
+            totals["groups"] = len(set(map(str, self.group_ids)))
+        return {**totals, "stored_tokens": self.stored, "max_token_id": self.largest}
+
+
+def _check_kind(kind: str, totals: dict, any_learned: bool, group_ids: list, settings: dict) -> None:
+    """What the whole data set must satisfy, as training's loaders check it."""
+    if kind == "sft":
+        check_outcome(num_records=totals["num_records"], num_samples=totals["num_samples"],
+                      dropped=totals["long_samples_dropped"], any_learned=any_learned,
+                      max_sample_tokens=settings["max_sample_tokens"], keys=_FLAGS)  # fmt: skip
+    elif kind == "pairs" and totals["pairs"] == 0:
+        limit = settings["max_sample_tokens"]
+        raise ValueError(f"No pairs are left: all {totals['pairs_dropped_too_long']} have a response longer "
+                         f"than --max-sample-tokens={limit} (prompt included). Raise it.")  # fmt: skip
+    elif kind == "rollouts":
+        from ..losses.rollouts import check_group_sizes
+
+        check_group_sizes(group_ids)
 
 
 class _Progress:

@@ -30,7 +30,7 @@ from .jsonl import BadLines, read_jsonl_objects
 from .sample import SequenceSample
 from .sft import UNK_ID, _compact_vocab, _encode_compact, _Encoded, check_messages
 
-__all__ = ["PreferenceData", "load_preference_data", "pair_ids"]
+__all__ = ["PreferenceData", "encode_pair", "load_preference_data", "pair_form", "pair_ids"]
 
 _TEXT_KEYS = ("prompt", "chosen", "rejected")
 _TOKEN_KEYS = ("prompt_tokens", "chosen_tokens", "rejected_tokens")
@@ -64,8 +64,9 @@ def _where(path: str, number: int) -> str:
     return f"{path}:{number}"
 
 
-def _check_keys(record: dict, where: str) -> bool:
-    """True for a token-id record, False for text/chat; else a ValueError naming the missing keys."""
+def pair_form(record: dict, where: str) -> bool:
+    """True for a token-id record, False for text/chat; else a ValueError naming the missing keys (``where``:
+    the record's place, ``file:line``)."""
     if all(k in record for k in _TOKEN_KEYS):
         return True
     if all(k in record for k in _TEXT_KEYS):
@@ -116,8 +117,11 @@ def _encode_pair_part(prompt: list[dict], response: list[dict], encode, tokenize
     return _Encoded(p + r, [0.0] * len(p) + [1.0] * len(r))
 
 
-def _encode_record(record: dict, where: str, encode, tokenizer) -> tuple[_Encoded, _Encoded]:
-    if _check_keys(record, where):
+def encode_pair(record: dict, where: str, encode, tokenizer) -> tuple[_Encoded, _Encoded]:
+    """A pair's (chosen, rejected) samples: token ids as given, text and chat through ``tokenizer`` (a
+    `hf_tokenizer.ChatTokenizer`) or, without one, ``encode`` (the compact vocabulary's); the checks of the
+    module docstring, naming ``where``."""
+    if pair_form(record, where):
         prompt = _token_ids(record["prompt_tokens"], "prompt_tokens", where, allow_empty=True)
         chosen, rejected = (_token_ids(record[k], k, where, allow_empty=False) for k in _TOKEN_KEYS[1:])
         if chosen == rejected:
@@ -151,7 +155,7 @@ def load_preference_data(
 
         tokenizer = ChatTokenizer(tokenizer_path)
     records, bad = _read(path), BadLines("pairs")
-    forms = [bad.check(_check_keys, r, _where(path, n)) for n, r in records]  # True: token ids
+    forms = [bad.check(pair_form, r, _where(path, n)) for n, r in records]  # True: token ids
     bad.raise_any()
     token_records = all(forms)
     if any(forms) and not token_records:
@@ -164,7 +168,7 @@ def load_preference_data(
 
         quick = get_tokenizer(encoding)
         encode = quick.encode_ordinary if hasattr(quick, "encode_ordinary") else quick.encode
-    pairs = [bad.check(_encode_record, r, _where(path, n), encode, tokenizer) for n, r in records]
+    pairs = [bad.check(encode_pair, r, _where(path, n), encode, tokenizer) for n, r in records]
     bad.raise_any()
     kept = [p for p in pairs if max(len(p[0].ids), len(p[1].ids)) <= max_sample_tokens]
     if not kept:

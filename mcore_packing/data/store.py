@@ -9,9 +9,19 @@ A store is a folder:
 - ``spans.bin`` / ``spans.idx``: the same format, int32: each sample's learned token ranges as
   ``start, end`` pairs (a conversation's assistant turns; one ``0, n`` for plain text): two numbers per
   turn instead of a float per token;
-- ``manifest.json``: the format, the source's and the tokenizer's fingerprints, the data settings
-  (``data.*`` keys: long-sample policy, limit, learned turns), the counts (records, samples, tokens,
-  dropped / truncated / split) and every file's size.
+- ``manifest.json``: the format, the store's ``kind``, the source's and the tokenizer's fingerprints, the
+  data settings (``data.*`` keys: long-sample policy, limit, learned turns), the counts (records, samples,
+  tokens, dropped / truncated / split) and every file's size.
+
+Kinds (`KINDS`): ``sft`` (one sample per text or conversation, or per piece of a split text); ``pairs``
+(DPO: sample ``2i`` is pair ``i``'s chosen response, ``2i + 1`` its rejected one, each prompt + response
+with the response learned); ``rollouts`` (GRPO: one sample per sampled response, prompt + response, the
+response learned, so the prompt's length is the first span's start), which adds
+
+- ``logprobs.bin`` / ``logprobs.idx``: float64, each rollout's generation log-probs (none: length 0;
+  a response is never empty);
+- ``rollouts.json``: ``{"rewards": [...], "group_ids": [...]}``, one entry per rollout (JSON keeps both the
+  floats and int or string group ids exactly).
 
 Reading and writing need numpy only (no torch, no megatron-core import: ``prepare`` runs on a login node,
 and the planner gets a million lengths in milliseconds): `read_index` parses the ``.idx`` layout (header,
@@ -36,18 +46,27 @@ from .sample import SequenceSample
 
 __all__ = [
     "FORMAT",
+    "KINDS",
     "MANIFEST",
     "IndexedWriter",
     "PreparedStore",
     "mask_from_spans",
     "read_index",
     "spans_from_mask",
+    "store_files",
     "token_dtype",
 ]
 
-FORMAT = "mcore_packing.prepared/1"
+FORMAT = "mcore_packing.prepared/2"
 MANIFEST = "manifest.json"
-FILES = ("tokens.bin", "tokens.idx", "spans.bin", "spans.idx")
+KINDS = ("sft", "pairs", "rollouts")
+_FILES = ("tokens.bin", "tokens.idx", "spans.bin", "spans.idx")
+_ROLLOUT_FILES = ("logprobs.bin", "logprobs.idx", "rollouts.json")
+
+
+def store_files(kind: str) -> tuple[str, ...]:
+    """The files a store of ``kind`` holds besides its manifest."""
+    return _FILES + (_ROLLOUT_FILES if kind == "rollouts" else ())
 
 _HEADER = b"MMIDIDX\x00\x00"
 _DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
@@ -121,6 +140,11 @@ def read_index(path: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray]:
     return np.dtype(_DTYPES[code]), lengths, pointers
 
 
+def _memmap(path: Path, dtype) -> np.ndarray:
+    """A read-only memory map of ``path`` (an empty array for an empty file, which numpy cannot map)."""
+    return np.memmap(path, dtype=dtype, mode="r") if path.stat().st_size else np.zeros(0, dtype)
+
+
 def file_digest(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -145,7 +169,9 @@ class PreparedStore:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path} is not valid JSON ({exc}); prepare the store again.") from None
         if self.manifest.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {self.manifest.get('format')!r}, this version reads {FORMAT!r}.")
+            raise ValueError(f"{path}: format {self.manifest.get('format')!r}, this version reads {FORMAT!r}; "
+                             "prepare the store again with this version.")  # fmt: skip
+        self.kind = self.manifest["kind"]
         self._check_files()
         self.dtype, self.lengths, self._pointers = read_index(self.folder / "tokens.idx")
         _, span_lengths, self._span_pointers = read_index(self.folder / "spans.idx")
@@ -154,11 +180,16 @@ class PreparedStore:
                              f"{len(span_lengths)}, the manifest {self.manifest['counts']['num_samples']}; prepare "
                              "the store again.")  # fmt: skip
         self._span_lengths = span_lengths
-        self._tokens = np.memmap(self.folder / "tokens.bin", dtype=self.dtype, mode="r")
-        self._spans = np.memmap(self.folder / "spans.bin", dtype=np.int32, mode="r")
+        self._tokens = _memmap(self.folder / "tokens.bin", self.dtype)
+        self._spans = _memmap(self.folder / "spans.bin", np.int32)
+        if self.kind == "rollouts":
+            _, self._logprob_lengths, self._logprob_pointers = read_index(self.folder / "logprobs.idx")
+            self._logprobs = _memmap(self.folder / "logprobs.bin", np.float64)
+            extras = json.loads((self.folder / "rollouts.json").read_text())
+            self.rewards, self.group_ids = extras["rewards"], extras["group_ids"]
 
     def _check_files(self) -> None:
-        for name in FILES:
+        for name in store_files(self.kind):
             file = self.folder / name
             if not file.is_file():
                 raise FileNotFoundError(f"{file} is missing; the store is incomplete. Prepare it again.")
@@ -166,7 +197,7 @@ class PreparedStore:
             if size != expected:
                 raise ValueError(f"{file} has {size} bytes but the manifest records {expected}: the store was "
                                  "changed or cut short after prepare. Prepare it again.")  # fmt: skip
-        for name in ("tokens.idx", "spans.idx"):  # small: hashed in full
+        for name in (n for n in store_files(self.kind) if n.endswith((".idx", ".json"))):  # small: hashed in full
             if file_digest(self.folder / name) != self.manifest["files"][name]["sha256"]:
                 raise ValueError(f"{self.folder / name} differs from the one prepare wrote (sha256); prepare the "
                                  "store again.")  # fmt: skip
@@ -178,9 +209,18 @@ class PreparedStore:
         n = int(self.lengths[i])
         start = int(self._pointers[i]) // self.dtype.itemsize
         tokens = np.asarray(self._tokens[start : start + n], dtype=np.int64)
+        return SequenceSample(tokens, mask_from_spans(self.spans(i), n))
+
+    def spans(self, i: int) -> np.ndarray:
+        """Sample ``i``'s learned ranges, ``[start, end, start, end, ...]``."""
         s = int(self._span_pointers[i]) // 4
-        spans = self._spans[s : s + int(self._span_lengths[i])]
-        return SequenceSample(tokens, mask_from_spans(spans, n))
+        return self._spans[s : s + int(self._span_lengths[i])]
+
+    def logprobs(self, i: int) -> np.ndarray | None:
+        """A rollouts store's generation log-probs of rollout ``i`` (float64), None when it had none."""
+        n = int(self._logprob_lengths[i])
+        start = int(self._logprob_pointers[i]) // 8
+        return np.asarray(self._logprobs[start : start + n]) if n else None
 
     @property
     def vocab_size(self) -> int:
@@ -188,8 +228,14 @@ class PreparedStore:
 
     @property
     def info(self) -> dict:
-        return {"source": f"prepared:{self.folder}", **self.manifest["counts"], **self.manifest["settings"],
-                "tokenizer": self.manifest["tokenizer"]["name"], "vocab_size": self.vocab_size}  # fmt: skip
+        return {"source": f"prepared:{self.folder}", "kind": self.kind, **self.manifest["counts"],
+                **self.manifest["settings"],
+                "tokenizer": self._tokenizer_name, "vocab_size": self.vocab_size}  # fmt: skip
+
+    @property
+    def _tokenizer_name(self) -> str:
+        tokenizer = self.manifest["tokenizer"]
+        return tokenizer["name"] if tokenizer is not None else "the records' own token ids"
 
     @property
     def fingerprint(self) -> str:

@@ -20,12 +20,15 @@ from ..data.sample import SequenceSample
 
 __all__ = [
     "Rollout",
+    "check_group_sizes",
+    "check_rollout",
     "check_rollouts",
     "group_members",
     "grpo_advantages",
     "minibatches",
     "read_rollouts_jsonl",
     "read_rollouts_jsonl_located",
+    "rollout_from_record",
     "rollout_samples",
 ]
 
@@ -53,14 +56,21 @@ def read_rollouts_jsonl_located(path: str) -> tuple[list[Rollout], list[str]]:
 
     rollouts, names, bad = [], [], BadLines()
     for number, record in read_jsonl_objects(path):
-        missing = [k for k in _FIELDS if k not in record]
-        if missing:
-            bad.add(f"{path}:{number} lacks {missing}; each line needs {list(_FIELDS)}.")
-            continue
-        rollouts.append(Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}))
-        names.append(f"{path}:{number}")
+        rollout = bad.check(rollout_from_record, record, f"{path}:{number}")
+        if rollout is not None:
+            rollouts.append(rollout)
+            names.append(f"{path}:{number}")
     bad.raise_any()
     return rollouts, names
+
+
+def rollout_from_record(record: dict, where: str) -> Rollout:
+    """A `Rollout` from one record's fields, or a `ValueError` naming ``where`` and the missing fields
+    (the values are checked by `check_rollouts`)."""
+    missing = [k for k in _FIELDS if k not in record]
+    if missing:
+        raise ValueError(f"{where} lacks {missing}; each line needs {list(_FIELDS)}.")
+    return Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record})
 
 
 def group_members(group_ids: Sequence) -> dict:
@@ -78,18 +88,23 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True, names: Seq
         raise ValueError("no rollouts: the policy step needs at least one sampled response.")
     bad = BadLines("rollouts")
     for i, r in enumerate(rollouts):
-        bad.check(_check_one, r, names[i] if names is not None else f"rollout {i}")
+        bad.check(check_rollout, r, names[i] if names is not None else f"rollout {i}")
     bad.raise_any()
     if grpo:
-        single = [g for g, idx in group_members([r.group_id for r in rollouts]).items() if len(idx) == 1]
-        if single:
-            raise ValueError(
-                f"GRPO needs several responses per prompt; group(s) {single[:5]} have one. Sample more responses "
-                "per prompt, or drop those groups."
-            )
+        check_group_sizes([r.group_id for r in rollouts])
 
 
-def _check_one(r: Rollout, where: str) -> None:
+def check_group_sizes(group_ids: Sequence) -> None:
+    """GRPO compares responses to one prompt: a group of one is refused, naming it."""
+    single = [g for g, idx in group_members(group_ids).items() if len(idx) == 1]
+    if single:
+        raise ValueError(
+            f"GRPO needs several responses per prompt; group(s) {single[:5]} have one. Sample more responses "
+            "per prompt, or drop those groups."
+        )
+
+
+def check_rollout(r: Rollout, where: str) -> None:
     """One rollout's problems (the first found), located by ``where``."""
     for key, items in (("prompt_tokens", "token ids"), ("response_tokens", "token ids"),
                        ("generation_logprobs", "numbers")):  # fmt: skip

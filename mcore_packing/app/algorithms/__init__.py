@@ -25,7 +25,7 @@ from importlib import import_module
 
 from ...data.sample import SequenceSample
 
-__all__ = ["ALGORITHMS", "RunData", "get_algorithm", "refuse_prepared_data", "step_metrics"]
+__all__ = ["ALGORITHMS", "RunData", "StoreSamples", "get_algorithm", "open_prepared", "step_metrics"]
 
 ALGORITHMS = ("sft", "grpo", "dpo")
 
@@ -37,15 +37,61 @@ def get_algorithm(name: str):
     return import_module(f".{name}", __name__)
 
 
-def refuse_prepared_data(cfg, reads: str) -> None:
-    """``data.prepared`` holds SFT samples; an algorithm reading ``reads`` refuses it, naming the key."""
-    if cfg.data.prepared is not None:
-        from ..config import ConfigError
+def open_prepared(cfg, kind: str, *, instead_of: str | None = None):
+    """The store ``data.prepared`` names, checked: written by ``prepare --kind <kind>``; tokenized with
+    ``model.hf_path``'s tokenizer when both name one; not set together with ``instead_of`` (the algorithm's
+    own file key). Every problem is a `ConfigError` naming the key."""
+    from ...data.store import PreparedStore
+    from ..config import ConfigError
 
-        raise ConfigError(
-            f"data.prepared is read by algorithm=sft in this version; algorithm={cfg.algorithm} reads {reads}. "
-            "Unset data.prepared.", key="data.prepared",
-        )  # fmt: skip
+    if instead_of is not None and _config_value(cfg, instead_of):
+        raise ConfigError(f"data.prepared and {instead_of} are both set; the run reads one. Unset one of them.",
+                          key="data.prepared")  # fmt: skip
+    try:
+        store = PreparedStore(cfg.data.prepared)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ConfigError(f"data.prepared: {exc}", key="data.prepared") from None
+    if store.kind != kind:
+        raise ConfigError(f"data.prepared={cfg.data.prepared} holds {store.kind} records; algorithm={cfg.algorithm} "
+                          f"reads a store written by prepare --kind {kind}.", key="data.prepared")  # fmt: skip
+    tokenizer = store.manifest["tokenizer"]
+    if cfg.model.hf_path is not None and tokenizer is not None:
+        from ...data.hf_tokenizer import ChatTokenizer
+
+        try:
+            ours = ChatTokenizer(cfg.model.hf_path).fingerprint
+        except FileNotFoundError as exc:
+            raise ConfigError(f"model.hf_path: {exc}", key="model.hf_path") from None
+        if ours != tokenizer["sha256"]:
+            raise ConfigError(
+                f"data.prepared={cfg.data.prepared} was tokenized with {tokenizer['name']}, whose tokenizer or chat "
+                f"template differs from model.hf_path={cfg.model.hf_path}'s. Prepare the data with --hf-path set to "
+                "this model.", key="data.prepared",
+            )  # fmt: skip
+    return store
+
+
+def _config_value(cfg, dotted: str):
+    """``cfg.<dotted>`` (``"dpo.pairs"``)."""
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+class StoreSamples(Sequence):
+    """Chosen samples of a prepared store, each read from the memory maps on access."""
+
+    def __init__(self, store, ids):
+        self.store, self.ids = store, ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.store[int(self.ids[i])]
 
 
 def step_metrics(metrics: dict, **pass_seconds: float) -> dict:

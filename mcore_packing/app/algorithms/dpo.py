@@ -13,11 +13,10 @@ from __future__ import annotations
 from ...data.preference import load_preference_data, pair_ids
 from ...losses.rollouts import group_members
 from ..config import ConfigError, budget_key
-from . import RunData, refuse_prepared_data, step_metrics
+from . import RunData, StoreSamples, open_prepared, step_metrics
 
 
 def check_config(cfg) -> None:
-    refuse_prepared_data(cfg, "dpo.pairs")
     if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
         raise ConfigError(
             "algorithm=dpo keeps each (chosen, rejected) pair in one micro-batch: it needs sequence_packing.enabled"
@@ -26,17 +25,21 @@ def check_config(cfg) -> None:
 
 
 def missing_data(cfg) -> str | None:
-    if cfg.dpo.pairs:
+    if cfg.dpo.pairs or cfg.data.prepared:
         return None
     return "dpo.pairs is not set: layout and config checked; set it to plan the first step"
 
 
 def load_data(cfg) -> RunData:
-    """Read, check and tokenize ``dpo.pairs``; errors name ``file:line`` and the fix."""
+    """Read, check and tokenize ``dpo.pairs`` (errors name ``file:line`` and the fix), or open the store of
+    pairs ``data.prepared`` names (``prepare --kind pairs``: tokenized and checked already)."""
+    if cfg.data.prepared is not None:
+        return _load_prepared(cfg)
     if not cfg.dpo.pairs:
         raise ConfigError(
             "algorithm=dpo needs dpo.pairs=/path/pairs.jsonl: one JSON object per line with prompt, chosen and "
-            "rejected (text or chat messages), or prompt_tokens, chosen_tokens and rejected_tokens."
+            "rejected (text or chat messages), or prompt_tokens, chosen_tokens and rejected_tokens; or "
+            "data.prepared=STORE written by prepare --kind pairs."
         )
     try:
         data = load_preference_data(
@@ -52,11 +55,19 @@ def load_data(cfg) -> RunData:
     return RunData(samples=data.samples, vocab_size=data.vocab_size, info=data.info, units=units)
 
 
+def _load_prepared(cfg) -> RunData:
+    store = open_prepared(cfg, "pairs", instead_of="dpo.pairs")
+    units = list(group_members(pair_ids(len(store))).values())
+    return RunData(samples=StoreSamples(store, range(len(store))), vocab_size=store.vocab_size, info=store.info,
+                   units=units, lengths=store.lengths.tolist(), fingerprint=store.fingerprint,
+                   max_token_id=store.manifest["counts"]["max_token_id"])  # fmt: skip
+
+
 def check_data(cfg, data: RunData, step_config) -> None:
     """Every pair fits one micro-batch of the training pass."""
     pairs = pair_ids(len(data.samples))
     try:
-        step_config.check_groups_fit([len(s) for s in data.samples], pairs, key=budget_key(step_config))
+        step_config.check_groups_fit(list(data.sample_lengths()), pairs, key=budget_key(step_config))
     except ValueError as exc:
         raise ConfigError(f"dpo.pairs: {exc} (a pair shares one micro-batch)") from None
 

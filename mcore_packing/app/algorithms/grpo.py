@@ -7,7 +7,10 @@ in file order). Generation is the user's inference engine's job; this file is wh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ...losses.rollouts import (
+    Rollout,
     check_rollouts,
     group_members,
     minibatches,
@@ -15,11 +18,10 @@ from ...losses.rollouts import (
     rollout_samples,
 )
 from ..config import ConfigError, budget_key
-from . import RunData, refuse_prepared_data, step_metrics
+from . import RunData, StoreSamples, open_prepared, step_metrics
 
 
 def check_config(cfg) -> None:
-    refuse_prepared_data(cfg, "grpo.rollouts")
     batched = cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled
     if cfg.grpo.keep_groups_together and not batched:
         raise ConfigError(
@@ -29,45 +31,89 @@ def check_config(cfg) -> None:
 
 
 def missing_data(cfg) -> str | None:
-    if cfg.grpo.rollouts:
+    if cfg.grpo.rollouts or cfg.data.prepared:
         return None
     return "grpo.rollouts is not set: layout and config checked; set it to plan the first step"
 
 
 def load_data(cfg) -> RunData:
-    """Read and check ``grpo.rollouts``; errors name the line, rollout or group and the fix."""
+    """Read and check ``grpo.rollouts`` (errors name the line, rollout or group and the fix), or open the
+    store of rollouts ``data.prepared`` names (``prepare --kind rollouts``: checked already)."""
+    data = _load_prepared(cfg) if cfg.data.prepared is not None else _load_jsonl(cfg)
+    grpo, where = cfg.grpo, cfg.data.prepared or cfg.grpo.rollouts
+    members = group_members(sample_groups(data))
+    want = grpo.num_generations_per_prompt
+    if want is not None:
+        wrong = [(data.records[idx[0]].group_id, len(idx)) for idx in members.values() if len(idx) != want]
+        if wrong:
+            raise ConfigError(
+                f"grpo.num_generations_per_prompt={want}, but group(s) {wrong[:5]} (id, responses) differ in "
+                f"{where}. Fix the file, or set grpo.num_generations_per_prompt=null to accept any group size."
+            )
+    if grpo.num_prompts_per_step > len(members):
+        raise ConfigError(
+            f"grpo.num_prompts_per_step={grpo.num_prompts_per_step} is more than the {len(members)} groups in "
+            f"{where}. Lower it, or write more rollouts."
+        )
+    return data
+
+
+def _load_jsonl(cfg) -> RunData:
     grpo = cfg.grpo
     if not grpo.rollouts:
         raise ConfigError(
             "algorithm=grpo needs grpo.rollouts=/path/rollouts.jsonl: one JSON object per sampled response with "
             "prompt_tokens, response_tokens, reward, group_id (and optionally generation_logprobs), written by "
-            "your inference engine."
+            "your inference engine; or data.prepared=STORE written by prepare --kind rollouts."
         )
     try:
         rollouts, names = read_rollouts_jsonl_located(grpo.rollouts)
         check_rollouts(rollouts, grpo=True, names=names)
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"grpo.rollouts: {exc}") from None
-    members = group_members([r.group_id for r in rollouts])
-    groups = list(members.values())
-    want = grpo.num_generations_per_prompt
-    if want is not None:
-        wrong = [(g, len(idx)) for g, idx in members.items() if len(idx) != want]
-        if wrong:
-            raise ConfigError(
-                f"grpo.num_generations_per_prompt={want}, but group(s) {wrong[:5]} (id, responses) differ in "
-                f"{grpo.rollouts}. Fix the file, or set grpo.num_generations_per_prompt=null to accept any group size."
-            )
-    if grpo.num_prompts_per_step > len(groups):
-        raise ConfigError(
-            f"grpo.num_prompts_per_step={grpo.num_prompts_per_step} is more than the {len(groups)} groups in "
-            f"{grpo.rollouts}. Lower it, or write more rollouts."
-        )
+    groups = list(group_members([r.group_id for r in rollouts]).values())
     largest = max(max(*r.prompt_tokens, *r.response_tokens, 0) for r in rollouts)
     info = {"source": "rollouts", "path": grpo.rollouts, "rollouts": len(rollouts), "groups": len(groups),
             "tokenizer": "the rollouts' own token ids"}  # fmt: skip
     return RunData(samples=rollout_samples(rollouts), vocab_size=int(largest) + 1, info=info, units=groups,
                    records=rollouts, fingerprint_extra=[[r.reward, str(r.group_id)] for r in rollouts])  # fmt: skip
+
+
+def _load_prepared(cfg) -> RunData:
+    store = open_prepared(cfg, "rollouts", instead_of="grpo.rollouts")
+    groups = list(group_members(store.group_ids).values())
+    largest = store.manifest["counts"]["max_token_id"]
+    info = {**store.info, "rollouts": len(store), "groups": len(groups)}
+    return RunData(samples=StoreSamples(store, range(len(store))), vocab_size=largest + 1, info=info, units=groups,
+                   records=StoreRollouts(store), lengths=store.lengths.tolist(), fingerprint=store.fingerprint,
+                   max_token_id=largest)  # fmt: skip
+
+
+class StoreRollouts(Sequence):
+    """A rollouts store's `Rollout` s, each read from the memory maps on access as lists, as the JSONL
+    reader makes them (the prompt ends where the learned span starts)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i: int) -> Rollout:
+        tokens, prompt, logprobs = self.store[i].tokens.tolist(), int(self.store.spans(i)[0]), self.store.logprobs(i)
+        return Rollout(prompt_tokens=tokens[:prompt], response_tokens=tokens[prompt:], reward=self.store.rewards[i],
+                       group_id=self.store.group_ids[i],
+                       generation_logprobs=None if logprobs is None else logprobs.tolist())  # fmt: skip
+
+
+def sample_groups(data: RunData) -> list:
+    """Each sample's group id, from the units (one rollout read per group, not every sample)."""
+    out: list = [None] * len(data.samples)
+    for members in data.units:
+        group = data.records[members[0]].group_id
+        for i in members:
+            out[i] = group
+    return out
 
 
 def check_data(cfg, data: RunData, step_config) -> None:
@@ -81,10 +127,9 @@ def check_data(cfg, data: RunData, step_config) -> None:
             f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
             "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
         )
-    lengths = [len(s) for s in data.samples]
     key = budget_key(step_config, forward_only=True)
     try:
-        step_config.check_groups_fit(lengths, [r.group_id for r in data.records], forward_only=True, key=key)
+        step_config.check_groups_fit(list(data.sample_lengths()), sample_groups(data), forward_only=True, key=key)
     except ValueError as exc:
         raise ConfigError(f"{exc} (grpo.keep_groups_together=true keeps each group in one micro-batch of the "
                           "log-prob pass; set it to false to let groups split.)") from None  # fmt: skip

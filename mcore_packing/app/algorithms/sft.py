@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict
-
-import numpy as np
 
 from ...data.sft import evenly_spaced, load_sft_data
 from ...planning import plan_step
 from ..config import ConfigError
-from . import RunData
+from . import RunData, StoreSamples, open_prepared
 
 
 def check_config(cfg) -> None:
@@ -38,29 +35,11 @@ def load_prepared(cfg) -> RunData:
     """A prepared store's samples, read from its memory maps when a step needs them; ``data.num_samples``
     picks that many evenly spaced ones (as from a JSONL file). With ``model.hf_path`` the store must have
     been tokenized by that checkpoint's tokenizer."""
-    from ...data.store import PreparedStore
-
-    try:
-        store = PreparedStore(cfg.data.prepared)
-    except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"data.prepared: {exc}", key="data.prepared") from None
-    if cfg.model.hf_path is not None:
-        from ...data.hf_tokenizer import ChatTokenizer
-
-        try:
-            ours = ChatTokenizer(cfg.model.hf_path).fingerprint
-        except FileNotFoundError as exc:
-            raise ConfigError(f"model.hf_path: {exc}", key="model.hf_path") from None
-        if ours != store.manifest["tokenizer"]["sha256"]:
-            raise ConfigError(
-                f"data.prepared={cfg.data.prepared} was tokenized with {store.manifest['tokenizer']['name']}, whose "
-                f"tokenizer or chat template differs from model.hf_path={cfg.model.hf_path}'s. Prepare the data "
-                "with --hf-path set to this model.", key="data.prepared",
-            )  # fmt: skip
+    store = open_prepared(cfg, "sft")
     _warn_ignored_data_keys(cfg, store)
     ids = evenly_spaced(len(store), cfg.data.num_samples)
     return RunData(
-        samples=_StoreSamples(store, ids),
+        samples=StoreSamples(store, ids),
         vocab_size=store.vocab_size,
         info={**store.info, "num_samples": len(ids)},
         lengths=store.lengths[ids].tolist(),  # Python ints, as measured lengths are
@@ -81,21 +60,6 @@ def _warn_ignored_data_keys(cfg, store) -> None:
         if ours != getattr(unset, key) and ours != value:
             warnings.warn(f"data.{key}={ours} is ignored: {cfg.data.prepared} was prepared with {key}={value} "
                           "(prepare it again to change it).", stacklevel=2)  # fmt: skip
-
-
-class _StoreSamples(Sequence):
-    """The chosen samples of a store, each read from the memory maps on access."""
-
-    def __init__(self, store, ids: np.ndarray):
-        self.store, self.ids = store, ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(len(self)))]
-        return self.store[int(self.ids[i])]
 
 
 def check_data(cfg, data: RunData, step_config) -> None:
