@@ -483,3 +483,35 @@ def dpo_reference_worker(rank, world_size, samples):
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     return {"state_dict": state, "dpo": {"loss": float(loss), "grads": grads}}
+
+
+def lazy_store_worker(rank, world_size, store):
+    """One packed step at DP=``world_size`` on a prepared store's samples read on access, then on the same
+    samples as a list: which samples this rank read, which its micro-batches hold, both losses."""
+    from mcore_packing.app.algorithms import StoreSamples
+    from mcore_packing.data.store import PreparedStore
+    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, forward_backward, nll_loss
+    from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
+
+    read: set[int] = set()
+
+    class Counting(StoreSamples):
+        def __getitem__(self, i):
+            read.add(int(i))
+            return super().__getitem__(i)
+
+    _init()
+    opened = PreparedStore(store)
+    lazy = Counting(opened, range(len(opened)))
+    plan = plan_step(lazy.lengths.tolist(), StepPlanConfig(mode="packing", train_mb_tokens=96,
+                                                           layout=ParallelLayout(dp=world_size)))  # fmt: skip
+    pgs = ProcessGroups.from_megatron()
+    with cpu_device_adapter():
+        config = model_config()
+        ddp = wrap_in_ddp(config, build_stage(config))
+        from_store = forward_backward(ddp, lazy, plan, pgs, loss=nll_loss("token_mean"), device="cpu").loss
+        ddp.zero_grad_buffer()
+        listed = [opened[i] for i in range(len(opened))]
+        from_list = forward_backward(ddp, listed, plan, pgs, loss=nll_loss("token_mean"), device="cpu").loss
+    own = sorted(i for mb in plan.for_rank(pgs.dp_rank) for i in mb.sample_indices)
+    return {"read": sorted(read), "own": own, "store_loss": from_store, "list_loss": from_list, "n": len(opened)}

@@ -107,3 +107,21 @@ def test_bad_rows_and_unreadable_folders_are_named(tmp_path, model, rows, capsys
     assert "unknown file type '.csv'" in capsys.readouterr().err
     assert main(["--input", str(tmp_path / "dict"), "--split", "b", "--out", str(tmp_path / "s"), *base]) == 0
     assert len(PreparedStore(tmp_path / "s")) == 2  # control: the split named is read
+
+
+def test_pairs_and_rollouts_from_parquet_and_datasets_equal_their_jsonl_stores(tmp_path, model):
+    from .test_prepared_kinds import make_pairs, rollout_rows
+
+    for kind, rows, flags in [("pairs", make_pairs(20), {"hf_path": model}), ("rollouts", rollout_rows(5), {})]:
+        (tmp_path / f"{kind}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{kind}.parquet", row_group_size=7)
+        datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / f"{kind}_hf"), num_shards=2)
+        for source in (f"{kind}.jsonl", f"{kind}.parquet", f"{kind}_hf"):
+            prepare(tmp_path / source, tmp_path / f"store-{source}", kind=kind, chunk_records=6, workers=2, **flags)
+        for source in (f"{kind}.parquet", f"{kind}_hf"):
+            _same_store(tmp_path / f"store-{source}", tmp_path / f"store-{kind}.jsonl")
+    extras = [(tmp_path / f"store-rollouts{s}" / "rollouts.json").read_text() for s in (".jsonl", ".parquet", "_hf")]
+    assert extras[0] == extras[1] == extras[2] and "prompt-4" in extras[0]
+    for s in (".parquet", "_hf"):  # the generation log-probs, None (a null) where a row had none
+        assert (tmp_path / f"store-rollouts{s}" / "logprobs.bin").read_bytes() == (
+            tmp_path / "store-rollouts.jsonl" / "logprobs.bin").read_bytes()  # fmt: skip

@@ -122,7 +122,7 @@ def test_a_store_of_another_kind_or_beside_the_algorithms_file_is_refused(tmp_pa
     prepare(_jsonl(tmp_path / "p.jsonl", make_pairs(4)), tmp_path / "pairs", kind="pairs", hf_path=model)
     prepare(_jsonl(tmp_path / "r.jsonl", rollout_rows(2)), tmp_path / "rollouts", kind="rollouts")
     for algorithm, store, extra, message in [
-        ("grpo", "pairs", [], r"holds pairs records; algorithm=grpo reads a store written by prepare --kind rollouts"),
+        ("grpo", "pairs", [], r"holds pairs records; algorithm=grpo reads .* --kind rollouts\. Set algorithm=dpo"),
         ("sft", "rollouts", [], r"holds rollouts records; algorithm=sft reads .* --kind sft"),
         ("dpo", "pairs", ["dpo.pairs=p.jsonl"], r"data\.prepared and dpo\.pairs are both set"),
         ("grpo", "rollouts", ["grpo.rollouts=r.jsonl"], r"data\.prepared and grpo\.rollouts are both set"),
@@ -134,6 +134,20 @@ def test_a_store_of_another_kind_or_beside_the_algorithms_file_is_refused(tmp_pa
                                 "grpo.num_prompts_per_step=2"])  # fmt: skip
     data = get_algorithm("grpo").load_data(cfg)  # control: the right kind loads
     assert data.num_units == 2 and len(data.samples) == 8
+
+
+@pytest.mark.multirank
+def test_each_rank_reads_only_its_own_micro_batches_from_a_store(tmp_path):
+    from .distributed_harness import run_distributed
+    from .step_workers import VOCAB
+
+    rows = [asdict(r) for r in make_rollouts(groups=6, per_group=4, vocab=VOCAB)]
+    prepare(_jsonl(tmp_path / "r.jsonl", rows), tmp_path / "store", kind="rollouts")
+    results = run_distributed("tests.step_workers:lazy_store_worker", 2, store=str(tmp_path / "store"))
+    for result in results:
+        assert result["read"] == result["own"] and 0 < len(result["own"]) < result["n"]
+        assert result["store_loss"] == result["list_loss"]  # control: the same step from a list
+    assert set(results[0]["own"]) | set(results[1]["own"]) == set(range(results[0]["n"]))
 
 
 @pytest.mark.slow

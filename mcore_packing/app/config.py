@@ -147,7 +147,7 @@ class DataConfig:
     long_samples: str | None = None  # drop | truncate | split | error; null: drop conversations, split text
     max_sample_tokens: int = 2048
     learn_prompt: bool = False  # CHAMP: also learn System/User turns
-    prepared: str | None = None  # a store written by `python -m mcore_packing prepare` (SFT): no tokenizing at start
+    prepared: str | None = None  # a store written by `python -m mcore_packing prepare`: no tokenizing at start
 
     def __post_init__(self):
         _choice("data", self, "source", ("champ", "jsonl"))

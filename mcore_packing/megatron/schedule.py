@@ -280,13 +280,18 @@ def _check_step(model, samples: Sequence[SequenceSample], plan: StepPlan):
 
 
 def _check_samples(samples: Sequence[SequenceSample], plan: StepPlan) -> None:
+    """The samples' lengths are the plan's. A sequence that reads its samples on access and knows their
+    lengths (a ``lengths`` attribute: a prepared store's) is checked against those, so nothing is read
+    here and each rank reads only its own micro-batches' samples."""
     if len(samples) != len(plan.lengths):
         raise ValueError(
             f"the plan covers {len(plan.lengths)} samples but {len(samples)} were given; plan the same global batch."
         )
-    for i, (s, n) in enumerate(zip(samples, plan.lengths, strict=True)):
-        if len(s.tokens) != n:
-            raise ValueError(f"sample {i} has {len(s.tokens)} tokens but the plan says {n}.")
+    known = getattr(samples, "lengths", None)
+    lengths = (len(s.tokens) for s in samples) if known is None else (int(n) for n in known)
+    for i, (have, n) in enumerate(zip(lengths, plan.lengths, strict=True)):
+        if have != n:
+            raise ValueError(f"sample {i} has {have} tokens but the plan says {n}.")
 
 
 def _check_schedule_config(plan: StepPlan, model_config) -> None:

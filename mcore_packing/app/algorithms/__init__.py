@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import import_module
 
+import numpy as np
+
 from ...data.sample import SequenceSample
 
-__all__ = ["ALGORITHMS", "RunData", "StoreSamples", "get_algorithm", "open_prepared", "step_metrics"]
+__all__ = ["ALGORITHMS", "RunData", "StoreSamples", "batch_samples", "get_algorithm", "open_prepared", "step_metrics"]
 
 ALGORITHMS = ("sft", "grpo", "dpo")
 
@@ -52,8 +54,10 @@ def open_prepared(cfg, kind: str, *, instead_of: str | None = None):
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data.prepared: {exc}", key="data.prepared") from None
     if store.kind != kind:
+        reads = {"sft": "sft", "pairs": "dpo", "rollouts": "grpo"}[store.kind]
         raise ConfigError(f"data.prepared={cfg.data.prepared} holds {store.kind} records; algorithm={cfg.algorithm} "
-                          f"reads a store written by prepare --kind {kind}.", key="data.prepared")  # fmt: skip
+                          f"reads a store written by prepare --kind {kind}. Set algorithm={reads} for this store.",
+                          key="data.prepared")  # fmt: skip
     tokenizer = store.manifest["tokenizer"]
     if cfg.model.hf_path is not None and tokenizer is not None:
         from ...data.hf_tokenizer import ChatTokenizer
@@ -80,18 +84,35 @@ def _config_value(cfg, dotted: str):
 
 
 class StoreSamples(Sequence):
-    """Chosen samples of a prepared store, each read from the memory maps on access."""
+    """Chosen samples of a prepared store, each read from the memory maps on access; ``lengths`` comes
+    from the index, so the step's checks read nothing (`megatron.schedule` takes the lengths from it) and
+    a rank reads only the samples of its own micro-batches."""
 
     def __init__(self, store, ids):
-        self.store, self.ids = store, ids
+        self.store, self.ids = store, np.asarray(ids, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.asarray(self.store.lengths[self.ids])
+
+    def take(self, positions) -> StoreSamples:
+        """The samples at ``positions`` of this sequence, still unread."""
+        return StoreSamples(self.store, self.ids[np.asarray(positions, dtype=np.int64)])
 
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
         return self.store[int(self.ids[i])]
+
+
+def batch_samples(data: RunData, ids: Sequence[int]) -> Sequence[SequenceSample]:
+    """The drawn samples of a step: still unread for a store (`StoreSamples.take`), else a list."""
+    if isinstance(data.samples, StoreSamples):
+        return data.samples.take(ids)
+    return [data.samples[i] for i in ids]
 
 
 def step_metrics(metrics: dict, **pass_seconds: float) -> dict:

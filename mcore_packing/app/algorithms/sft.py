@@ -7,7 +7,7 @@ from dataclasses import asdict
 from ...data.sft import evenly_spaced, load_sft_data
 from ...planning import plan_step
 from ..config import ConfigError
-from . import RunData, StoreSamples, open_prepared
+from . import RunData, StoreSamples, batch_samples, open_prepared
 
 
 def check_config(cfg) -> None:
@@ -88,7 +88,7 @@ def make_step(cfg, inputs, setup):
     def take_step(batch_ids: list[int]):
         ((ids, _),) = training_passes(cfg, inputs.data, batch_ids)
         plan = plan_step([inputs.lengths[i] for i in ids], inputs.step_config)
-        samples = [inputs.data.samples[i] for i in batch_ids]
+        samples = batch_samples(inputs.data, batch_ids)  # a store's: each rank reads its own micro-batches only
         return plan, train_step(setup.policy, samples, plan, loss=loss), None
 
     return take_step
