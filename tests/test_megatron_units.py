@@ -17,7 +17,7 @@ from mcore_packing.megatron import (
     to_packed_seq_params,
 )
 from mcore_packing.megatron.attention import PackedCoreAttention
-from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
+from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, slice_for_cp
 
 from .distributed_harness import run_distributed
 from .megatron_workers import tiny_attention_config
@@ -65,11 +65,48 @@ def test_newer_fields_are_passed_only_when_the_installed_release_has_them(monkey
     monkeypatch.setattr(packed_seq, "packed_seq_params_fields", compat.packed_seq_params_fields)
     p = to_packed_seq_params(make_batch())
     assert p.total_tokens == 12 and p.pad_between_seqs is True
+    shard = slice_for_cp(make_batch(), 2, 1)  # a CP rank's share still names the whole row
+    assert to_packed_seq_params(shard).total_tokens == 12
+    unpadded = build_packed_batch([SequenceSample([1, 2, 3, 4]), SequenceSample([6, 7])])
+    assert to_packed_seq_params(unpadded).pad_between_seqs is False
     # The installed release (0.16.x) lacks them: nothing extra is passed, or its constructor would raise.
     monkeypatch.undo()
     fields = compat.packed_seq_params_fields()
     p = to_packed_seq_params(make_batch())
     assert ("total_tokens" in fields) == hasattr(p, "total_tokens")
+
+
+def _sequence_index(padded_lengths):
+    """Each token's sequence in the whole packed row, written out from the padded lengths."""
+    return [i for i, n in enumerate(padded_lengths) for _ in range(n)]
+
+
+@pytest.mark.skipif(
+    "total_tokens" not in compat.packed_seq_params_fields(),
+    reason=f"megatron-core {compat.megatron_core_version()} has no PackedSeqParams.total_tokens (0.17+)",
+)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_newer_releases_index_the_whole_row_on_every_cp_rank(cp):
+    """On megatron-core 0.19: ``seq_idx`` (Mamba's sequence index, computed by PackedSeqParams itself) covers
+    the gathered row on every CP rank, pads included in their own sequence, and 0.19's MoE un-flattening
+    sees one sample."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    lengths = (5, 1, 9, 3)
+    rule = PaddingRule(cp_size=cp, sequence_length_round=4)
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in lengths], rule)
+    expected = _sequence_index(batch.padded_lengths)
+    for rank in range(cp):
+        local = slice_for_cp(batch, cp, rank)
+        p = to_packed_seq_params(local)
+        assert p.seq_idx.tolist() == [expected], (cp, rank)
+        assert p.pad_between_seqs is (batch.padded_lengths != batch.seq_lengths)
+        hidden = torch.zeros(local.tokens.shape[1], 1, 4)
+        layer = type("MoELayer", (), {"is_moe_layer": True})()
+        assert TransformerLayer._maybe_unflatten_for_moe(layer, hidden, None, p)[2] is None  # left as one row
+    # Negative control: params without the padded cu_seqlens index each pad with the next sequence.
+    wrong = dataclasses.replace(to_packed_seq_params(batch), cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None)
+    assert wrong.seq_idx.tolist() != [expected]
 
 
 def naive_causal_attention(q, k, v):

@@ -9,9 +9,9 @@ predecessor to take them from).
 
 Loading goes through `_patches.torch_adam_load` (two megatron-core load bugs of the distributed
 optimizer on torch's Adam, repaired where they apply). What is loaded back is tensors and plain
-containers: ``dist_checkpointing`` reads ``common.pt`` with
-``torch.load`` under torch's ``weights_only`` default (no arbitrary objects); `load_training_state`
-refuses to run if that default was turned off.
+containers: ``dist_checkpointing`` reads ``common.pt`` (megatron-core 0.16; 0.19 keeps the common state
+inside the ``.distcp`` files) with ``torch.load`` under torch's ``weights_only`` default (no arbitrary
+objects); `load_training_state` refuses to run if that default was turned off.
 """
 
 from __future__ import annotations

@@ -4,8 +4,20 @@ cu_seqlens are built on the host as int32 and copied to the model's device witho
 memory on CUDA); ``max_seqlen`` is a Python int known on the host. So building the params costs no
 device-to-host synchronization. The host-side layout (`ThdLayout`) is attached to the params object so
 the attention module (`attention.PackedCoreAttention`) needs none either: this module writes it,
-`thd_layout` reads it. Fields that newer megatron-core releases added (``total_tokens``,
-``pad_between_seqs``) are passed only when the installed ``PackedSeqParams`` has them.
+`thd_layout` reads it.
+
+Fields that megatron-core 0.17+ added are passed only when the installed ``PackedSeqParams`` has them:
+
+- ``total_tokens``: the whole packed row, also on a CP rank. Megatron derives ``seq_idx`` (each token's
+  sequence, for Mamba's scan and convolution) from it and the padded cu_seqlens; Mamba gathers the
+  sequence dimension over CP (and TP under sequence parallelism) before the scan, so the index must cover
+  the gathered row. This rank's share alone would leave the tail of the row without an index, and its
+  tokens would carry state across sequences.
+- ``pad_between_seqs``: whether any sequence is padded (the padded cu_seqlens differ from the real ones),
+  so TransformerEngine's fused attention skips the gaps.
+- ``tokens_per_sample``: one packed row is one sample, so this rank's THD length. 0.19 uses it only to
+  un-flatten a micro-batch of several rows before an MoE layer's own sequence balance loss; with one row
+  that is a no-op, and the balance loss per sequence is `router_loss`'s.
 """
 
 from __future__ import annotations
@@ -89,9 +101,11 @@ def to_packed_seq_params(batch: PackedBatch, *, device: torch.device | str = "cp
     if cp_group is not None and "cp_group" in fields:
         kwargs["cp_group"] = cp_group
     if "total_tokens" in fields:
-        kwargs["total_tokens"] = batch.total_tokens // batch.cp_size  # tokens in this rank's THD tensor
+        kwargs["total_tokens"] = batch.total_tokens  # the whole row: seq_idx covers it after the CP gather
     if "pad_between_seqs" in fields:
         kwargs["pad_between_seqs"] = batch.padded_lengths != batch.seq_lengths
+    if "tokens_per_sample" in fields:
+        kwargs["tokens_per_sample"] = batch.total_tokens // batch.cp_size  # this rank's THD tensor: one row
     params = PackedSeqParams(**kwargs)
     starts = batch.cu_seqlens_padded[:-1].tolist()  # host tensor: no device sync
     setattr(

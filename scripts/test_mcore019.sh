@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The megatron-core 0.19.2 lane: the tests that touch Megatron's API (schedules and their CUDA call sites,
+# context parallelism, HF import, the optimizer and dist_checkpointing, the DPO and policy-gradient steps,
+# the version-pinned patches), in the second environment
+# (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh).
+# Other arguments go to pytest.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup_env_mcore019.sh"
+venv="${MCORE019_VENV:-$root/.venv-mcore019}"
+cd "$root"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+"$venv/bin/python" -m pytest -p no:cacheprovider -W "ignore::UserWarning" \
+  tests/test_patches.py tests/test_megatron_units.py tests/test_checkpoint.py \
+  "tests/test_step_equivalence.py::test_two_ranks_match_reference" \
+  tests/test_megatron_packed.py tests/test_dpo_packed.py \
+  "tests/test_pg_packed.py::test_single_rank_packed_and_dynamic_pg_equal_unpacked" \
+  "tests/test_hf_conversion.py::test_each_family_imports_with_hf_logits" \
+  "tests/test_hf_conversion.py::test_tp2_pp2_together" \
+  "tests/test_rl_step.py::test_rl_step_first_update_is_on_policy_and_exact" \
+  "$@"
