@@ -6,10 +6,12 @@
 # Other arguments go to pytest.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+"$root/scripts/setup_env.sh"  # the 0.16.1 venv writes the checkpoints that 0.19.2 resumes
 "$root/scripts/setup_env_mcore019.sh"
 venv="${MCORE019_VENV:-$root/.venv-mcore019}"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VENV:-$root/.venv}/bin/python}"
 "$venv/bin/python" -m pytest -p no:cacheprovider -W "ignore::UserWarning" \
   tests/test_patches.py tests/test_megatron_units.py tests/test_checkpoint.py \
   "tests/test_step_equivalence.py::test_two_ranks_match_reference" \

@@ -46,18 +46,34 @@ def _copy_checkpoint(rank: int, source: Path, target: Path) -> None:
     dist.barrier()
 
 
-def resume_layouts_worker(rank: int, world_size: int, *, root: str, distributed_optimizer: bool, layouts, control):
-    """Straight 4 steps and 2 steps at (TP, PP, DP) = (1, 1, 2); then for each layout, the 2-step
-    checkpoint resumed there for steps 3-4. ``control`` adds a resume that loads the model but not the
-    optimizer state (it must differ)."""
-    import mcore_packing.megatron.dist_checkpoint as dc
+def _optimizer_override(distributed_optimizer: bool) -> str:
+    return f"optimizer.use_distributed_optimizer={str(distributed_optimizer).lower()}"
 
-    root = Path(root)
-    opt = f"optimizer.use_distributed_optimizer={str(distributed_optimizer).lower()}"
-    out = {
+
+def write_runs_worker(rank: int, world_size: int, *, root: str, distributed_optimizer: bool) -> dict:
+    """Straight 4 steps, and 2 steps that leave a checkpoint at step 2, at (TP, PP, DP) = (1, 1, 2)."""
+    from mcore_packing.compat import megatron_core_version
+
+    root, opt = Path(root), _optimizer_override(distributed_optimizer)
+    return {
         "straight": _train(root / "straight", "training.steps=4", opt),
         "first": _train(root / "first", "training.steps=2", opt),
+        "megatron_core": megatron_core_version(),
     }
+
+
+def resume_layouts_worker(rank: int, world_size: int, *, root: str, distributed_optimizer: bool, layouts, control,
+                          written: dict | None = None):  # fmt: skip
+    """`write_runs_worker`'s runs (or ``written``: its result from another process, e.g. another
+    megatron-core, whose runs lie under ``root``); then for each layout, the 2-step checkpoint resumed there
+    for steps 3-4. ``control`` adds a resume that loads the model but not the optimizer state (it must
+    differ)."""
+    import mcore_packing.megatron.dist_checkpoint as dc
+
+    root, opt = Path(root), _optimizer_override(distributed_optimizer)
+    if written is None:
+        written = write_runs_worker(rank, world_size, root=str(root), distributed_optimizer=distributed_optimizer)
+    out = dict(written)
     saved = root / "first" / "checkpoints" / "step_000002"
     for tp, pp in layouts:
         name = f"tp{tp}pp{pp}"

@@ -134,21 +134,77 @@ def test_resume_on_another_layout_continues_the_same_run(tmp_path, distributed_o
         layouts=LAYOUTS,
         control=True,
     )
+    report = check_resumed_runs(result, LAYOUTS, same_layout_tolerance=1e-6)
+    print(f"distributed_optimizer={distributed_optimizer}: max relative loss difference per layout {report}")
+
+
+def check_resumed_runs(result: dict, layouts, *, same_layout_tolerance: float) -> dict:
+    """Every resumed run continues the straight run (the same samples, the same losses), and the negative
+    control (model loaded, optimizer state not) differs at step 4. Returns the largest error per layout."""
     straight = result["straight"]
     assert result["first"]["losses"] == straight["losses"][:2]
     report = {}
-    for tp, pp in LAYOUTS:
+    for tp, pp in layouts:
         resumed = result[f"tp{tp}pp{pp}"]
         assert resumed["steps"] == [3, 4]
         assert resumed["sample_ids"] == straight["sample_ids"][2:]  # the same data order continues
         errors = [_rel(a, b) for a, b in zip(resumed["losses"], straight["losses"][2:], strict=True)]
         report[(tp, pp)] = max(errors)
-        assert max(errors) <= (1e-6 if (tp, pp) == (1, 1) else 1e-5), (tp, pp, errors)
-    print(f"distributed_optimizer={distributed_optimizer}: max relative loss difference per layout {report}")
-    # Negative control: the model loaded but the optimizer state not; step 4 must differ.
+        assert max(errors) <= (same_layout_tolerance if (tp, pp) == (1, 1) else 1e-5), (tp, pp, errors)
     control = result["control"]["losses"]
-    assert _rel(control[0], straight["losses"][2]) <= 1e-6  # step 3 only needs the weights
+    assert _rel(control[0], straight["losses"][2]) <= same_layout_tolerance  # step 3 only needs the weights
     assert _rel(control[1], straight["losses"][3]) > 1e-3
+    return report
+
+
+def _installed_release() -> str:
+    from mcore_packing.compat import megatron_core_version
+
+    return megatron_core_version()
+
+
+# A Python whose megatron-core is 0.16 (scripts/test_mcore019.sh points it at the main venv) writes the
+# checkpoints that the release under test resumes.
+WRITER_PYTHON = os.environ.get("MCORE_PACKING_016_PYTHON")
+_WRITE_RUNS = (
+    "import json, sys\n"
+    "from tests.distributed_harness import run_distributed\n"
+    "runs = run_distributed('tests.checkpoint_workers:write_runs_worker', 2, root=sys.argv[1],"
+    " distributed_optimizer=sys.argv[2] == 'true')\n"
+    "print(json.dumps(runs[0]))\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.skipif(WRITER_PYTHON is None or _installed_release().startswith("0.16."),
+                    reason="runs in the megatron-core 0.19 lane (scripts/test_mcore019.sh), which sets "
+                    "MCORE_PACKING_016_PYTHON to a Python with megatron-core 0.16")  # fmt: skip
+@pytest.mark.parametrize("distributed_optimizer", [False, True])
+def test_a_checkpoint_written_with_megatron_core_0_16_resumes_on_this_release(tmp_path, distributed_optimizer):
+    """2 steps on 0.16.1 (DP2), resumed here for steps 3-4 at DP2 and at TP2: the losses of the straight
+    4-step run on 0.16.1."""
+    from mcore_packing.compat import megatron_core_version
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    flag = str(distributed_optimizer).lower()
+    proc = subprocess.run([WRITER_PYTHON, "-c", _WRITE_RUNS, str(tmp_path), flag], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    written = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert written["megatron_core"].startswith("0.16."), written["megatron_core"]
+    assert megatron_core_version() != written["megatron_core"]
+    (result, _) = run_distributed(
+        "tests.checkpoint_workers:resume_layouts_worker",
+        2,
+        root=str(tmp_path),
+        distributed_optimizer=distributed_optimizer,
+        layouts=[(1, 1), (2, 1)],
+        control=True,
+        written=written,
+    )
+    report = check_resumed_runs(result, [(1, 1), (2, 1)], same_layout_tolerance=1e-5)
+    print(f"written with {written['megatron_core']}, resumed with {megatron_core_version()}: {report}")
 
 
 @pytest.fixture(scope="module")
