@@ -51,6 +51,11 @@ CASES = {
         "optimizer.lr_decay_iters=5 must exceed optimizer.lr_warmup_iters=10",
     ),
     # train --dry-run: model, checkpoints, recipes, commands
+    "unknown FP8 recipe": (
+        ["train", "--dry-run", "model.fp8_recipe=e4m3"],
+        "model.fp8_recipe='e4m3' is not one of ['blockwise', 'delayed', 'mxfp8', 'tensorwise']",
+    ),
+    "training with an FP8 recipe": (["train", "model.fp8_recipe=blockwise"], "this trainer does not run FP8 yet"),
     "model.hf_path absent": (["train", "--dry-run", "model.hf_path={tmp}/nope"], "config.json does not exist"),
     "model.hf_path without tokenizer": (
         ["train", "--dry-run", "model.hf_path={hf_no_tokenizer}"],

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, samples_from_padded, unpack
+from mcore_packing.planning import fp8_row_alignment
+from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, samples_from_padded, slice_for_cp, unpack
 
 
 def test_docstring_worked_example():
@@ -36,8 +37,10 @@ def test_docstring_worked_example():
         ({"tp_size": 4}, 1, 1),  # TP without SP does not split the token dimension
         ({"cp_size": 2, "tp_size": 4, "sequence_parallel": True}, 4, 8),  # CP*lcm(2,TP), not 2*CP*TP
         ({"cp_size": 2, "tp_size": 3, "sequence_parallel": True}, 4, 12),
-        ({"cp_size": 2, "fp8_alignment": 16}, 64, 64),
+        ({"cp_size": 2, "fp8_alignment": 16}, 4, 32),  # FP8 aligns each CP rank's share, not each sequence
         ({"sequence_length_round": 64, "fp8_alignment": 16}, 64, 64),
+        ({"tp_size": 2, "fp8_alignment": 32}, 1, 32),  # without SP every TP rank holds the whole row
+        ({"cp_size": 2, "tp_size": 2, "sequence_parallel": True, "fp8_alignment": 128}, 4, 512),
     ],
 )
 def test_padding_rule(kwargs, seq_multiple, total_multiple):
@@ -56,6 +59,37 @@ def test_every_layout_is_splittable(cp, tp, sp):
         assert all(p % (2 * cp if cp > 1 else 1) == 0 for p in b.padded_lengths)
         assert (b.total_tokens // cp) % (tp if sp else 1) == 0
         assert b.total_tokens == b.cu_seqlens_padded[-1].item()  # no token past the last padded boundary
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "mxfp8", "blockwise"])
+@pytest.mark.parametrize("cp, tp, sp", [(1, 1, False), (2, 1, False), (2, 2, True), (1, 4, True)])
+def test_fp8_pads_the_row_once_and_every_rank_share_is_aligned(recipe, cp, tp, sp):
+    """Each rank's share of the row (after the CP split, and over TP under SP) divides by the recipe's
+    alignment; the sequences keep CP's padding only; every token is in its place once; the extra tail
+    is in the last span and learns nothing."""
+    alignment = fp8_row_alignment(recipe)
+    rule = PaddingRule(cp_size=cp, tp_size=tp, sequence_parallel=sp, fp8_alignment=alignment)
+    without = PaddingRule(cp_size=cp, tp_size=tp, sequence_parallel=sp)
+    g = torch.Generator().manual_seed(cp * 10 + tp + alignment)
+    for _ in range(20):
+        lengths = torch.randint(1, 300, (int(torch.randint(1, 7, (1,), generator=g)),), generator=g).tolist()
+        samples = [SequenceSample(torch.randint(1, 99, (n,), generator=g)) for n in lengths]
+        b, plain = build_packed_batch(samples, rule), build_packed_batch(samples, without)
+        for rank in range(cp):
+            local = slice_for_cp(b, cp, rank)
+            assert local.tokens.shape[1] % (alignment * (tp if sp else 1)) == 0, (lengths, rank)
+        assert b.padded_lengths[:-1] == plain.padded_lengths[:-1]  # no sequence padded for FP8
+        tail = b.total_tokens - plain.total_tokens
+        assert 0 <= tail < rule.total_multiple
+        assert b.tokens[0, : plain.total_tokens].tolist() == plain.tokens[0].tolist()
+        assert b.loss_mask.sum() == plain.loss_mask.sum() and b.loss_mask[0, plain.total_tokens :].sum() == 0
+        assert b.seq_lengths == tuple(lengths) and b.cu_seqlens.tolist() == plain.cu_seqlens.tolist()
+
+
+def test_fp8_recipe_names():
+    assert [fp8_row_alignment(r) for r in (None, "tensorwise", "delayed", "mxfp8", "blockwise")] == [1, 16, 16, 32, 128]
+    with pytest.raises(ValueError, match=r"fp8_recipe='e4m3' is not one of \['blockwise', 'delayed'"):
+        fp8_row_alignment("e4m3")
 
 
 def test_loss_mask_of_sample_is_shifted_to_the_predicting_position():

@@ -135,3 +135,13 @@ def test_data_scale_at_ten_thousand_samples_checks_the_store_start_and_plan():
     proc = run("benchmarks/data_scale.py", "--samples", "10000", "--check")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "checked [10000] samples" in proc.stdout
+
+
+def test_fp8_padding_aligns_every_rank_and_saves_tokens(tmp_path):
+    out = tmp_path / "fp8.json"
+    proc = run("benchmarks/fp8_padding.py", "--dp", "2", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 6 and all(r["per_row_aligned"] for r in rows)
+    assert all(r["padding_none"] <= r["padding_per_row"] < r["padding_per_sequence"] for r in rows)
+    assert not all(r["per_sequence_aligned"] for r in rows)  # the former rule misaligns under TP + SP

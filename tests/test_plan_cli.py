@@ -58,6 +58,25 @@ def test_json_from_a_lengths_file_adds_up(tmp_path, capsys):
     assert 0 < s["compute_saved_with_attention"] < 1
 
 
+def test_fp8_recipe_pads_rows_not_sequences(tmp_path, capsys):
+    """--fp8-recipe is model.fp8_recipe: rows get a tail so each SP rank's share divides by 128; the real
+    tokens and the micro-batch count stay, the computed tokens grow by less than a tail per row."""
+    path = tmp_path / "lengths.json"
+    path.write_text(json.dumps([37, 901, 15, 1200, 333, 64, 7, 480] * 4))
+    common = ["--lengths", str(path), "--mb-tokens", "2048", "--global-batch-size", "8", "--tp", "2", "--sp",
+              "--dp", "1", "--json", "--no-png", "--no-recommend"]  # fmt: skip
+    docs = {}
+    for recipe in (None, "blockwise"):
+        code, out, err = run(capsys, *common, *(["--fp8-recipe", recipe] if recipe else []))
+        assert code == 0, err
+        docs[recipe] = json.loads(out)
+    plain, fp8 = docs[None]["summary"], docs["blockwise"]["summary"]
+    assert docs["blockwise"]["config"]["fp8_recipe"] == "blockwise" and docs[None]["config"]["fp8_recipe"] is None
+    assert fp8["micro_batches"] == plain["micro_batches"]
+    computed = docs[None]["num_tokens"] / np.array([plain["useful_share_planned"], fp8["useful_share_planned"]])
+    assert 0 < computed[1] - computed[0] < fp8["micro_batches"] * 128 * 2  # at most one tail of 2 x 128 per row
+
+
 @pytest.mark.parametrize(
     ("args", "refine"),
     [

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..data.sft import LONG_SAMPLE_POLICIES
 from ..losses import ClippedPGConfig
-from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig
+from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig, fp8_row_alignment
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
@@ -80,6 +80,10 @@ MODEL_DEFAULTS = {"vocab_size": None, "num_query_groups": 2}
 def _model_post_init(self):
     _choice("model", self, "dtype", ("float32", "bfloat16", "float16"))
     _choice("model", self, "attention_backend", ("auto", "te", "local"))
+    try:
+        fp8_row_alignment(self.fp8_recipe)
+    except ValueError as exc:
+        raise ConfigError(f"model.{exc}", key="model.fp8_recipe") from None
     self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
 
@@ -120,13 +124,16 @@ def _model_config_class() -> type:
             *shape_fields,
             ("dtype", "str", field(default="float32")),  # float32 | bfloat16 | float16 (16-bit: fp32 masters)
             ("attention_backend", "str", field(default="auto")),  # auto | te | local
+            # Megatron's fp8_recipe (tensorwise | delayed | mxfp8 | blockwise) or null: the row alignment the
+            # planner pads each row's tail to (planning.FP8_ROW_ALIGNMENT); training with it is refused for now
+            ("fp8_recipe", "str | None", field(default=None)),
         ],
         namespace={
             "__post_init__": _model_post_init,
             "declared_shape": _declared_shape,
             "shape": _shape,
-            "__doc__": "The ``model`` group: ``hf_path``, the `ModelShape` fields (see its docstring), ``dtype`` "
-            "and ``attention_backend``.",
+            "__doc__": "The ``model`` group: ``hf_path``, the `ModelShape` fields (see its docstring), ``dtype``, "
+            "``attention_backend`` and ``fp8_recipe``.",
         },
     )
     cls.__module__ = __name__  # its annotations are strings, resolved in this module (Hydra reads them)
@@ -425,6 +432,7 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
             cost_model=CostModel.from_shape(shape),
             layout=layout,
             fixed_length=False if par.variable_seq_lengths else None,
+            fp8_alignment=fp8_row_alignment(cfg.model.fp8_recipe),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -41,7 +41,16 @@ import numpy as np
 
 from ..data.real_text import REAL_CORPORA, real_corpus_lengths
 from ..packing import PackingMetrics, get_packer, resolve_algorithm
-from ..planning import BALANCES, MODES, ORDERS, ModelShape, StepPlanConfig, recommend_budget, summarize
+from ..planning import (
+    BALANCES,
+    FP8_ROW_ALIGNMENT,
+    MODES,
+    ORDERS,
+    ModelShape,
+    StepPlanConfig,
+    recommend_budget,
+    summarize,
+)
 from .config import ConfigError, TrainConfig, check_shape_on_layout, plan_config, validate_layout
 from .recipes import RECIPES
 
@@ -148,6 +157,7 @@ _KEYS = {
     "cp": "parallel.cp",
     "ep": "parallel.ep",
     "sp": "parallel.sequence_parallel",
+    "fp8_recipe": "model.fp8_recipe",
     "global_batch_size": "training.global_batch_size",
     "micro_batch_size": "training.padded_micro_batch_rows",
     "balance": "training.balance",
@@ -219,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("tp", "pp", "cp", "ep"):
         p.add_argument(f"--{name}", type=int, help=f"parallel.{name}")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, help="parallel.sequence_parallel")
+    p.add_argument("--fp8-recipe", choices=sorted(FP8_ROW_ALIGNMENT),
+                   help="model.fp8_recipe: pad each row so every rank's share suits FP8 GEMMs")  # fmt: skip
     p.add_argument("--order", choices=ORDERS, help="sequence_packing.microbatch_order")
     p.add_argument("--balance", choices=BALANCES, help="training.balance: how micro-batches go to DP ranks")
     recipes = ", ".join(sorted(RECIPES))
@@ -428,6 +440,7 @@ def _document(args, cfg: TrainConfig, source, lengths, config: StepPlanConfig, s
             "cp": layout.cp,
             "ep": layout.ep,
             "sp": layout.sequence_parallel,
+            "fp8_recipe": cfg.model.fp8_recipe,
             "padded_rows": config.padded_rows,
             "balance": config.balance,
             "model_shape": shape.to_dict(),
@@ -453,6 +466,7 @@ def _print_text(doc: dict) -> None:
         f"algorithm={c['algorithm']} refine={c['refine']} global_batch_size={c['global_batch_size']} "
         f"({c['planned_batches']} planned batches) "
         f"dp={c['dp']} tp={c['tp']} pp={c['pp']} cp={c['cp']} ep={c['ep']} sp={c['sp']}"
+        + (f" fp8_recipe={c['fp8_recipe']}" if c["fp8_recipe"] else "")
     )
     print(
         f"  micro-batches: {s['micro_batches']:,} over {s['num_global_batches']} global batches "

@@ -73,6 +73,13 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
             f"model.family={cfg.model.family} describes a pretrained model: set model.hf_path=/path/to/hf_folder "
             "(its config.json, *.safetensors and tokenizer.json) to start from its weights. --dry-run works without."
         )
+    if cfg.model.fp8_recipe is not None and not dry_run:
+        raise ConfigError(
+            f"model.fp8_recipe={cfg.model.fp8_recipe}: the planner pads every row for FP8 GEMMs (see --dry-run or "
+            "`plan`), but this trainer does not run FP8 yet (TransformerEngine's FP8 GEMMs on a GPU). Set "
+            "model.fp8_recipe=null to train.",
+            key="model.fp8_recipe",
+        )
     if cfg.training.export_dir and cfg.model.hf_path is None and cfg.model.family == "gpt":
         raise ConfigError("training.export_dir writes a Hugging Face folder: it needs model.hf_path (or model.family).")
     if cfg.training.export_dir:

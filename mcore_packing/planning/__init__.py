@@ -4,7 +4,7 @@ numpy only; never imports torch, so a login node can plan (and `python -m mcore_
 without a GPU stack. Modules, in the order the data flows through them:
 
 - `layout`: `ParallelLayout`, the one description of the parallel layout (its padding rules, world size).
-- `padding`: `PaddingRule`, the per-sequence and per-row multiples that CP/TP/SP/FP8 need.
+- `padding`: `PaddingRule`, the per-sequence multiples CP needs and the per-row ones of SP and FP8.
 - `model_shape`: `ModelShape`, the one description of a model's dimensions.
 - `cost_model`: `CostModel`, a*s + b*s^2 per sequence from a shape, or calibrated from step times.
 - `step_config`: `StepPlanConfig` (NeMo-RL keys), its one translation from config sections and its one
@@ -21,7 +21,7 @@ from .balance import BALANCES, ORDERS, assign_balanced, assign_round_robin, max_
 from .cost_model import CostModel
 from .layout import ParallelLayout
 from .model_shape import ModelShape
-from .padding import PaddingRule
+from .padding import FP8_ROW_ALIGNMENT, PaddingRule, fp8_row_alignment
 from .pipeline import best_pipeline_order, pipeline_lower_bound, simulate_1f1b
 from .rebalance import rebalance_units
 from .report import recommend_budget, summarize
@@ -30,6 +30,7 @@ from .step_plan import MicroBatchPlan, StepPlan, micro_batch_cost, plan_step
 
 __all__ = [
     "BALANCES",
+    "FP8_ROW_ALIGNMENT",
     "MODES",
     "ORDERS",
     "CostModel",
@@ -42,6 +43,7 @@ __all__ = [
     "assign_balanced",
     "assign_round_robin",
     "best_pipeline_order",
+    "fp8_row_alignment",
     "max_over_mean",
     "micro_batch_cost",
     "order_microbatches",

@@ -46,7 +46,8 @@ class StepPlanConfig:
             packer's), ``packer``, ``largest_first``, ``bubble`` or ``pipeline``.
         sequence_length_round: per-sequence length alignment (NeMo-RL's key).
         layout: the `ParallelLayout` (tp, pp, cp, dp, sequence_parallel).
-        fp8_alignment: per-sequence alignment for FP8 (16), 1 when off.
+        fp8_alignment: FP8 GEMM alignment of each rank's share of a row (`FP8_ROW_ALIGNMENT`: 16, 32 or
+            128), 1 when off; pads each row's tail, never a sequence (`PaddingRule`).
         fixed_length: packing mode: pad every row to the full ``train_mb_tokens * cp`` (PP without
             variable sequence lengths needs one shape). Default: on when ``layout.pp > 1``.
         padded_rows: rows per micro-batch in ``padded`` mode.
