@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
@@ -37,7 +39,13 @@ def plan_cases(draw):
 @given(plan_cases())
 def test_plan_invariants(case):
     config, lengths = case
-    plan = plan_step(lengths, config)
+    try:
+        plan = plan_step(lengths, config)
+    except ValueError as err:  # only a batch too small for equal micro-batch counts may be refused
+        need = re.search(r"need at least (\d+)|Cannot create (\d+) bins", str(err))
+        assert need is not None, err
+        assert len(lengths) < int(need.group(1) or need.group(2)), err
+        assume(False)
     counts = {len(rank) for rank in plan.micro_batches}
     assert len(plan.micro_batches) == config.layout.dp and len(counts) == 1  # equal counts per DP rank
     order = plan.sample_order()
@@ -141,6 +149,8 @@ def test_bad_plans(kwargs, lengths, fragment):
         ({"layout": (2, 1)}, "must be a ParallelLayout"),
         ({"algorithm": "magic"}, "Valid names"),
         ({"mode": "dynamic", "fixed_length": True}, "fixed_length applies to packing"),
+        ({"mode": "dynamic", "fixed_shape": True}, "fixed_shape=True needs mode='packing'"),
+        ({"fixed_shape": True, "fixed_length": False}, "fixed_length=False"),
         ({"logprob_mb_tokens": -3}, "logprob_mb_tokens"),
     ],
 )
@@ -148,3 +158,19 @@ def test_bad_configs(kwargs, fragment):
     with pytest.raises((ValueError, TypeError)) as err:
         StepPlanConfig(**kwargs)
     assert fragment in str(err.value)
+
+
+def test_fixed_shape_rows_are_full_and_their_cu_seqlens_length_bounds_every_row():
+    """Every row of a fixed-shape plan has the capacity's length, and cu_seqlens_entries is one more than
+    the most sequences such a row can hold (all of the shortest kind), whatever the data."""
+    layout = ParallelLayout(cp=2, dp=2)
+    config = StepPlanConfig(train_mb_tokens=64, layout=layout, fixed_shape=True)
+    assert config.use_fixed_length and StepPlanConfig(train_mb_tokens=64, layout=layout).cu_seqlens_entries(128) is None
+    rng = np.random.default_rng(3)
+    plan = plan_step(rng.integers(1, 120, 40).tolist(), config)
+    rows = {mb.shape for rank in plan.micro_batches for mb in rank}
+    assert rows == {(1, config.row_capacity())} == {(1, 128)}
+    entries = config.cu_seqlens_entries(128)
+    assert entries == 128 // 4 + 1  # CP2: every sequence is padded to a multiple of 4
+    tightest = plan_step([1] * 64, config)  # one-token sequences: the most a row can hold
+    assert max(len(mb.sample_indices) for rank in tightest.micro_batches for mb in rank) + 1 == entries
