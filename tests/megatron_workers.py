@@ -108,13 +108,26 @@ def packed_reference_worker(rank, world_size, cases, weights_seed=0):
                 # crosses the sequence boundaries.
                 one = build_packed_batch([SequenceSample(batch.tokens[0])], PaddingRule())
                 crossed = packed_model(one.tokens, one.position_ids, None, packed_seq_params=to_packed_seq_params(one))
+            grads = _grads(packed_model)
+            # Fixed shapes: cu_seqlens padded with zero-length sequences must change nothing; the control
+            # moves a boundary instead (the last sequence split in two), which must change the logits.
+            fixed = {}
+            for name, params in (("zero_length", to_packed_seq_params(batch, cu_entries=batch.num_sequences + 4)),
+                                 ("split_tail", _split_last_sequence(batch))):  # fmt: skip
+                if params is None:
+                    continue
+                packed_model.zero_grad(set_to_none=True)
+                again = packed_model(batch.tokens, batch.position_ids, None, packed_seq_params=params)
+                (again * weights * batch.loss_mask[..., None]).sum().backward()
+                fixed[name] = {"logits": again[0].detach(), "grads": _grads(packed_model)}
             out.append(
                 {
                     "packed": [per_seq[i, : s.numel()] for i, s in enumerate(seqs)],
                     "reference": reference,
                     "no_boundaries": unpack(crossed[0], batch),
                     "full_logits": logits[0].detach(),
-                    "grads": _grads(packed_model),
+                    "grads": grads,
+                    "fixed_shape": fixed,
                     "total_tokens": batch.total_tokens,
                 }
             )
@@ -122,11 +135,33 @@ def packed_reference_worker(rank, world_size, cases, weights_seed=0):
     return {"cases": out, "call_sites": call_sites}
 
 
-def cp_worker(rank, world_size, cases, split="zigzag", weights_seed=0):
+def _split_last_sequence(batch):
+    """Params whose last sequence (when it has 2+ real tokens) is declared as two: a boundary moved."""
+    from dataclasses import replace
+
+    from mcore_packing.megatron import to_packed_seq_params
+
+    n, span = batch.seq_lengths[-1], batch.padded_lengths[-1]
+    if n < 2:
+        return None
+    head = n // 2
+    cu, cu_padded = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
+    split = replace(
+        batch,
+        cu_seqlens=torch.tensor([*cu[:-1], cu[-2] + head, cu[-1]], dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor([*cu_padded[:-1], cu_padded[-2] + head, cu_padded[-1]], dtype=torch.int32),
+        seq_lengths=(*batch.seq_lengths[:-1], head, n - head),
+        padded_lengths=(*batch.padded_lengths[:-1], head, span - head),
+    )
+    return to_packed_seq_params(split)
+
+
+def cp_worker(rank, world_size, cases, split="zigzag", weights_seed=0, extra_cu_entries=0):
     """World of CP ranks. Each rank runs its share of every packed case; rank results are gathered.
 
     ``split="contiguous"`` feeds each rank a contiguous quarter/half of the row instead of its two
-    load-balanced chunks: the negative control.
+    load-balanced chunks: the negative control. ``extra_cu_entries``: that many zero-length sequences
+    after the row's own in cu_seqlens (fixed shapes).
     """
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -160,7 +195,8 @@ def cp_worker(rank, world_size, cases, split="zigzag", weights_seed=0):
                     cp_size=cp,
                     cp_rank=rank,
                 )
-            params = to_packed_seq_params(local, cp_group=group)
+            entries = batch.num_sequences + 1 + extra_cu_entries if extra_cu_entries else None  # zero-length seqs
+            params = to_packed_seq_params(local, cp_group=group, cu_entries=entries)
             model.zero_grad(set_to_none=True)
             logits = model(local.tokens, local.position_ids, None, packed_seq_params=params)
             full = gather_from_cp(logits[0], local, group)

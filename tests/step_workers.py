@@ -251,6 +251,19 @@ def _apply_negative_control(kind: str | None):
         raise ValueError(kind)
 
 
+def _record_cu_lengths(prepare) -> list[int]:
+    """Record the cu_seqlens length of every ``PackedSeqParams`` the builder makes (fixed-shape checks)."""
+    seen, build = [], prepare.to_packed_seq_params
+
+    def recording(*args, **kwargs):
+        params = build(*args, **kwargs)
+        seen.append(params.cu_seqlens_q.numel())
+        return params
+
+    prepare.to_packed_seq_params = recording
+    return seen
+
+
 def step_worker(rank, world_size, configs, samples, state_dict):
     """Run every config (dicts with tp, pp, cp, mode, ...) on this world; rank 0 returns the results."""
     import importlib
@@ -278,6 +291,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         importlib.reload(prepare)  # undo any negative-control patch of the previous config
         importlib.reload(schedule)
         _apply_negative_control(cfg.get("negative"))
+        cu_lengths = _record_cu_lengths(prepare)
         tp, pp, cp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1)
         _init(tp, pp, cp)
         dp = world_size // (tp * pp * cp)
@@ -296,6 +310,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 train_mb_tokens=cfg.get("train_mb_tokens", 96),
                 layout=ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sp),
                 fixed_length=None if not vsl else False,
+                fixed_shape=cfg.get("fixed_shape", False),
                 microbatch_order=cfg.get("microbatch_order", "packer"),
                 balance=cfg.get("balance", "cost"),
                 cost_model=_attention_cost_model() if cfg.get("attention_cost") else None,
@@ -342,6 +357,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 "num_microbatches": result.num_microbatches,
                 "logprobs": logprobs,
                 "call_sites": sorted({tuple(site) for item in gathered for site in item["call_sites"]}),
+                "cu_lengths": sorted(set(cu_lengths)),  # rank 0's cu_seqlens lengths, every micro-batch
             }
         )
         ps.destroy_model_parallel()

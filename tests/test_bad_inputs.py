@@ -56,6 +56,10 @@ CASES = {
         "model.fp8_recipe='e4m3' is not one of ['blockwise', 'delayed', 'mxfp8', 'tensorwise']",
     ),
     "training with an FP8 recipe": (["train", "model.fp8_recipe=blockwise"], "this trainer does not run FP8 yet"),
+    "fixed shapes with variable sequence lengths": (
+        ["train", "--dry-run", "sequence_packing.fixed_shape=true", "parallel.variable_seq_lengths=true"],
+        "sequence_packing: fixed_shape=True needs mode='packing' with fixed-length rows",
+    ),
     "model.hf_path absent": (["train", "--dry-run", "model.hf_path={tmp}/nope"], "config.json does not exist"),
     "model.hf_path without tokenizer": (
         ["train", "--dry-run", "model.hf_path={hf_no_tokenizer}"],

@@ -92,6 +92,28 @@ def test_context_parallel_negative_control_contiguous_split_differs(cp1_results)
     assert max(errors) > 1e-2, errors
 
 
+def test_zero_length_sequences_change_no_output_or_gradient(cp1_results):
+    """Fixed shapes (CUDA graphs): cu_seqlens padded with four zero-length sequences give the same logits
+    and gradients; moving a boundary instead (the control) changes the logits."""
+    moved = []
+    for res in cp1_results["cases"]:
+        fixed = res["fixed_shape"]
+        assert rel_err(fixed["zero_length"]["logits"], res["full_logits"]) <= 1e-6
+        for name, g in res["grads"].items():
+            assert rel_err(fixed["zero_length"]["grads"][name], g) <= 1e-6, name
+        if "split_tail" in fixed:
+            moved.append(rel_err(fixed["split_tail"]["logits"], res["full_logits"]))
+    assert moved and min(moved) > 1e-3, moved
+
+
+def test_zero_length_sequences_under_context_parallelism(cp1_results):
+    results = run_distributed("tests.megatron_workers:cp_worker", 2, cases=CASES, extra_cu_entries=5)[0]
+    for ref, got in zip(cp1_results["cases"], results, strict=True):
+        assert rel_err(_real_rows(got), _real_rows_ref(ref, got)) <= RTOL
+        for name, g in ref["grads"].items():
+            assert rel_err(got["grads"][name], g) <= 1e-4, name
+
+
 def _real_rows(got) -> torch.Tensor:
     logits, rows, start = got["full_logits"], [], 0
     for span, n in zip(got["padded_lengths"], got["real_lengths"], strict=True):

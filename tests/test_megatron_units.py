@@ -40,6 +40,17 @@ def test_packed_seq_params_fields_dtypes_and_layout():
     assert layout.padded_starts == (0, 8) and layout.padded_lengths == (8, 4) and layout.real_lengths == (5, 2)
 
 
+def test_fixed_entries_repeat_the_last_boundary_as_zero_length_sequences():
+    p = to_packed_seq_params(make_batch(), cu_entries=5)
+    assert p.cu_seqlens_q.tolist() == [0, 5, 7, 7, 7] and p.cu_seqlens_kv_padded.tolist() == [0, 8, 12, 12, 12]
+    assert p.max_seqlen_q == 8  # the longest span, not a static bound (see packed_seq's docstring)
+    layout = thd_layout(p)
+    assert layout.padded_lengths == (8, 4, 0, 0) and layout.real_lengths == (5, 2, 0, 0) and layout.total == 12
+    assert to_packed_seq_params(make_batch(), cu_entries=3).cu_seqlens_q.tolist() == [0, 5, 7]
+    with pytest.raises(ValueError, match=r"cu_entries=2 cannot describe this row of 2 sequences: it needs at least 3"):
+        to_packed_seq_params(make_batch(), cu_entries=2)
+
+
 def test_layout_is_read_back_when_params_come_from_elsewhere():
     from megatron.core.packed_seq_params import PackedSeqParams
 

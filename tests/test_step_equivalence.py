@@ -54,6 +54,10 @@ def errors(result: dict, reference: dict) -> tuple[float, float]:
 
 def check(result: dict, reference: dict) -> None:
     assert result["all_losses_equal"]
+    cfg = result["config"]
+    if cfg.get("fixed_shape"):  # one cu_seqlens length: the most sequences a full row holds, plus one
+        cp = cfg.get("cp", 1)
+        assert result["cu_lengths"] == [cfg.get("train_mb_tokens", 96) * cp // (2 * cp if cp > 1 else 1) + 1]
     loss_err, grad_err = errors(result, reference)
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (result["config"], loss_err, grad_err)
 
@@ -86,6 +90,7 @@ SINGLE = [
     {"mode": "dynamic", "normalization": "sequence_mean"},
     {"mode": "packing", "per_token_loss": True},
     {"mode": "packing", "microbatch_order": "largest_first", "train_mb_tokens": 48},
+    {"mode": "packing", "fixed_shape": True, "logprobs": True},  # full rows, cu_seqlens of fixed length
 ]
 
 
@@ -107,6 +112,7 @@ TWO_RANKS = [
     {"mode": "packing", "cp": 2, "logprobs": True},
     {"mode": "packing", "cp": 2, "per_token_loss": True, "normalization": "sequence_mean"},
     {"mode": "dynamic", "cp": 2, "logprobs": True},
+    {"mode": "packing", "cp": 2, "fixed_shape": True},  # zero-length sequences under the CP split
     # Balancing only moves samples: attention-aware balance with the bubble order, and round-robin.
     {"mode": "packing", "attention_cost": True, "microbatch_order": "bubble", "train_mb_tokens": 48},
     {"mode": "packing", "balance": "round_robin", "train_mb_tokens": 48},

@@ -137,6 +137,8 @@ class PackedCoreAttention(MegatronModule):
                 return self._thd_varlen(q, k, v, params, layout)
             out = torch.zeros_like(q)
             for start, n in zip(layout.padded_starts, layout.real_lengths, strict=True):
+                if n == 0:  # a zero-length sequence of a fixed-shape row: no token
+                    continue
                 s = slice(start, start + n)
                 out[s] = self._sdpa(q[s], k[s], v[s], causal=True)
             return out
@@ -155,11 +157,13 @@ class PackedCoreAttention(MegatronModule):
 
     def _thd_context_parallel(self, q, k, v, layout: ThdLayout) -> torch.Tensor:
         cp, rank = self.cp_size, self.cp_rank
-        cu = [0, *[a + b for a, b in zip(layout.padded_starts, layout.padded_lengths, strict=True)]]
+        # Zero-length sequences (fixed-shape rows) hold no token: the split and the loop skip them.
+        spans = [(start, span) for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True) if span]
+        cu = [0, *[a + b for a, b in spans]]
         k_full, v_full = self._gather_kv(k, v, thd_inverse_order(cu, layout.total, cp).to(q.device))
         out = torch.empty_like(q)
         local = 0
-        for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True):
+        for start, span in spans:
             chunk = span // (2 * cp)
             positions = bshd_partition_indices(span, cp, rank).to(q.device)  # global positions of local queries
             visible = int(positions[-1]) + 1  # keys after the last local query are never attended

@@ -18,6 +18,13 @@ Fields that megatron-core 0.17+ added are passed only when the installed ``Packe
 - ``tokens_per_sample``: one packed row is one sample, so this rank's THD length. 0.19 uses it only to
   un-flatten a micro-batch of several rows before an MoE layer's own sequence balance loss; with one row
   that is a no-op, and the balance loss per sequence is `router_loss`'s.
+
+Fixed shapes (``cu_entries``, for CUDA graphs): cu_seqlens get a fixed number of entries by repeating
+their last one, i.e. zero-length sequences after the row's real ones; the row itself already has a fixed
+length (`StepPlanConfig.fixed_shape`). A zero-length sequence has no token, so it changes no output,
+loss or gradient (tested). ``max_seqlen`` stays the row's longest span: Megatron's THD RoPE reads a
+frequency table as long as the whole row as positions counted from the row's start, so a static bound
+equal to the row length would move every sequence's positions.
 """
 
 from __future__ import annotations
@@ -73,22 +80,30 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def to_packed_seq_params(batch: PackedBatch, *, device: torch.device | str = "cpu", cp_group=None):
+def to_packed_seq_params(
+    batch: PackedBatch, *, device: torch.device | str = "cpu", cp_group=None, cu_entries: int | None = None
+):
     """The ``PackedSeqParams`` (qkv_format "thd") for ``batch``.
 
     ``cu_seqlens_q/kv`` hold the real lengths, ``cu_seqlens_q/kv_padded`` the padded spans, and
     ``max_seqlen_q/kv`` the longest padded span (RoPE needs frequencies for every padded position, and
     Megatron's THD RoPE switches to offset positions if this equals the whole row: it never does here
     unless the row holds a single sequence, where both modes agree). They always describe the whole
-    packed row, also on a CP rank.
+    packed row, also on a CP rank. ``cu_entries``: pad both cu_seqlens to this many entries with
+    zero-length sequences (fixed shapes, see the module docstring).
     """
     require_megatron()
     from megatron.core.packed_seq_params import PackedSeqParams
 
     device = torch.device(device)
     fields = packed_seq_params_fields()
-    cu = _to_device(batch.cu_seqlens.to(torch.int32), device)
-    cu_padded = _to_device(batch.cu_seqlens_padded.to(torch.int32), device)
+    cu, cu_padded = batch.cu_seqlens.to(torch.int32), batch.cu_seqlens_padded.to(torch.int32)
+    if cu_entries is not None:
+        cu, cu_padded = _pad_entries(cu, cu_entries), _pad_entries(cu_padded, cu_entries)
+    starts = cu_padded[:-1].tolist()  # host tensor: no device sync
+    lengths = (cu_padded[1:] - cu_padded[:-1]).tolist()
+    real = (cu[1:] - cu[:-1]).tolist()
+    cu, cu_padded = _to_device(cu, device), _to_device(cu_padded, device)
     kwargs = dict(
         qkv_format="thd",
         cu_seqlens_q=cu,
@@ -107,10 +122,16 @@ def to_packed_seq_params(batch: PackedBatch, *, device: torch.device | str = "cp
     if "tokens_per_sample" in fields:
         kwargs["tokens_per_sample"] = batch.total_tokens // batch.cp_size  # this rank's THD tensor: one row
     params = PackedSeqParams(**kwargs)
-    starts = batch.cu_seqlens_padded[:-1].tolist()  # host tensor: no device sync
-    setattr(
-        params,
-        _LAYOUT_ATTR,
-        ThdLayout(padded_starts=tuple(starts), padded_lengths=batch.padded_lengths, real_lengths=batch.seq_lengths),
-    )
+    layout = ThdLayout(padded_starts=tuple(starts), padded_lengths=tuple(lengths), real_lengths=tuple(real))
+    setattr(params, _LAYOUT_ATTR, layout)
     return params
+
+
+def _pad_entries(cu: torch.Tensor, entries: int) -> torch.Tensor:
+    """``cu`` with its last entry repeated up to ``entries`` entries (zero-length sequences at the end)."""
+    if isinstance(entries, bool) or not isinstance(entries, int) or entries < cu.numel():
+        raise ValueError(
+            f"cu_entries={entries!r} cannot describe this row of {cu.numel() - 1} sequences: it needs at least "
+            f"{cu.numel()} entries. Use StepPlanConfig.cu_seqlens_entries(row_tokens), which bounds every row."
+        )
+    return torch.cat([cu, cu[-1:].expand(entries - cu.numel())])

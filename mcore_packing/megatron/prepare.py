@@ -115,7 +115,9 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device
         labels=local.labels.to(device),
         loss_mask=local.loss_mask.to(device),
         weights=weights.to(device) if weights is not None else None,
-        packed_seq_params=to_packed_seq_params(local, device=device, cp_group=process_groups.cp),
+        packed_seq_params=to_packed_seq_params(
+            local, device=device, cp_group=process_groups.cp, cu_entries=config.cu_seqlens_entries(batch.total_tokens)
+        ),
         packed=batch,
         sample_ids=batch.sample_ids,
         real_lengths=batch.seq_lengths,

@@ -28,6 +28,7 @@ class SequencePackingConfig:
     microbatch_order: str = "auto"  # auto (pipeline under PP, else packer) | packer | largest_first | bubble | pipeline
     sequence_length_round: int = 1
     cost_budget: Any = None  # ours: None | "auto" | a number: also cap each row's attention-aware cost
+    fixed_shape: bool = False  # ours: one shape per micro-batch (full rows, cu_seqlens of fixed length) for CUDA graphs
 
     def __post_init__(self):
         for name in ("train_mb_tokens", "sequence_length_round"):

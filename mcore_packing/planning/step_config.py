@@ -50,6 +50,9 @@ class StepPlanConfig:
             128), 1 when off; pads each row's tail, never a sequence (`PaddingRule`).
         fixed_length: packing mode: pad every row to the full ``train_mb_tokens * cp`` (PP without
             variable sequence lengths needs one shape). Default: on when ``layout.pp > 1``.
+        fixed_shape: packing mode: every micro-batch has one shape for CUDA graphs: rows of the full
+            capacity (``fixed_length``) and cu_seqlens of `cu_seqlens_entries` entries, the sequences a
+            row holds followed by zero-length ones (`megatron.packed_seq.to_packed_seq_params`).
         padded_rows: rows per micro-batch in ``padded`` mode.
         balance: one of `BALANCES`: ``cost`` (attention-aware `cost_model`, LPT + swaps), ``tokens``
             (the same on padded tokens), ``round_robin`` (NeMo-RL's, for comparison).
@@ -68,6 +71,7 @@ class StepPlanConfig:
     layout: ParallelLayout = SINGLE_RANK
     fp8_alignment: int = 1
     fixed_length: bool | None = None
+    fixed_shape: bool = False
     padded_rows: int = 4
     balance: str = "cost"
     cost_model: CostModel | None = None
@@ -92,6 +96,12 @@ class StepPlanConfig:
         get_packer(self.algorithm, 1, refine=self.refine)  # raises on an unknown algorithm or a bad `refine`
         if self.mode != "packing" and self.fixed_length:
             raise ValueError("fixed_length applies to packing mode; dynamic micro-batches are padded per batch.")
+        if self.fixed_shape and (self.mode != "packing" or self.fixed_length is False):
+            raise ValueError(
+                f"fixed_shape=True needs mode='packing' with fixed-length rows (got mode={self.mode!r}, "
+                f"fixed_length={self.fixed_length}): one shape per micro-batch is a packed row of the full "
+                "capacity. Use sequence packing without variable_seq_lengths, or set fixed_shape=false."
+            )
 
     @classmethod
     def from_sections(
@@ -146,7 +156,17 @@ class StepPlanConfig:
 
     @property
     def use_fixed_length(self) -> bool:
+        if self.fixed_shape:
+            return True
         return self.mode == "packing" and (self.fixed_length if self.fixed_length is not None else self.layout.pp > 1)
+
+    def cu_seqlens_entries(self, row_tokens: int) -> int | None:
+        """With `fixed_shape`, the cu_seqlens length of every row of ``row_tokens`` tokens: one more than
+        the most sequences such a row can hold (each takes at least one `PaddingRule.sequence_multiple`), so
+        it never depends on the data; None without `fixed_shape`."""
+        if not self.fixed_shape:
+            return None
+        return row_tokens // self.padding_rule.sequence_multiple + 1
 
     def check_groups_fit(self, lengths, groups, *, forward_only: bool = False, key: str | None = None) -> None:
         """Raise ValueError when a group (samples that share a micro-batch: DPO pairs, GRPO responses to one
