@@ -4,7 +4,8 @@
    ``train_mb_tokens=16384``, Llama-3-8B costs) with each balance: slowest rank / mean attention-aware
    cost (mean over steps and worst), micro-batches, rows below half full.
 2. PP=4, about 8 micro-batches per rank, CHAMP and lognormal lengths: simulated 1F1B step time over its
-   lower bound for each micro-batch order.
+   lower bound for each micro-batch order, plain and interleaved (PP=4 x VPP=2: counts per rank a
+   multiple of 4), and the interleaved step time over the plain one (same data, the best order of each).
 3. Planning time of one step: 512 CHAMP samples (median of all 37 full steps) and 65,536 lognormal
    samples (one step, DP=8).
 
@@ -58,25 +59,32 @@ def pipeline_rows(model) -> list[dict]:
     }
     rows = []
     for name, (lengths, batch, budget) in sets.items():
-        for order in ("packer", "largest_first", "bubble", "pipeline"):
-            config = StepPlanConfig(
-                train_mb_tokens=budget, layout=ParallelLayout(dp=8, pp=4), microbatch_order=order, cost_model=model
-            )
-            s = summarize(lengths, config, global_batch_size=batch, padded_rows=4, model=model)
-            rows.append(
-                {
-                    "table": "pipeline",
-                    "lengths": name,
-                    "order": order,
-                    "micro_batches_per_rank": s["micro_batches_per_rank_per_step"],
-                    "over_lower_bound": s["predicted_over_lower_bound"],
-                }
-            )
-            print(
-                f"PP=4 {name:<9} {s['micro_batches_per_rank_per_step']:.1f} mb/rank order={order:<13} simulated 1F1B / "
-                f"lower bound {s['predicted_over_lower_bound']:.4f}",
-                flush=True,
-            )
+        step_cost = {}
+        for vpp in (1, 2):
+            for order in ("packer", "largest_first", "bubble", "pipeline"):
+                layout = ParallelLayout(dp=8, pp=4, vpp=vpp)
+                config = StepPlanConfig(train_mb_tokens=budget, layout=layout, microbatch_order=order, cost_model=model)
+                s = summarize(lengths, config, global_batch_size=batch, padded_rows=4, model=model)
+                step_cost[vpp, order] = s["predicted_step_cost"]
+                rows.append(
+                    {
+                        "table": "pipeline",
+                        "lengths": name,
+                        "vpp": vpp,
+                        "order": order,
+                        "micro_batches_per_rank": s["micro_batches_per_rank_per_step"],
+                        "over_lower_bound": s["predicted_over_lower_bound"],
+                        "predicted_step_cost": s["predicted_step_cost"],
+                    }
+                )
+                print(
+                    f"PP=4 VPP={vpp} {name:<9} {s['micro_batches_per_rank_per_step']:.1f} mb/rank order={order:<13} "
+                    f"simulated 1F1B / lower bound {s['predicted_over_lower_bound']:.4f}",
+                    flush=True,
+                )
+        ratio = step_cost[2, "pipeline"] / step_cost[1, "pipeline"]
+        rows.append({"table": "interleaved_vs_plain", "lengths": name, "ratio": ratio})
+        print(f"PP=4 {name}: interleaved (VPP=2) / plain simulated step time, best orders: {ratio:.4f}", flush=True)
     return rows
 
 

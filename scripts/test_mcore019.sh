@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The megatron-core 0.19.2 lane: the tests that touch Megatron's API (schedules and their CUDA call sites,
-# context parallelism, HF import, the optimizer and dist_checkpointing, the DPO and policy-gradient steps,
-# the version-pinned patches), in the second environment
+# context parallelism, the interleaved schedule, HF import, the optimizer and dist_checkpointing, the DPO and
+# policy-gradient steps, the version-pinned patches), in the second environment
 # (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh).
 # Other arguments go to pytest.
 set -euo pipefail
@@ -20,4 +20,8 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   "tests/test_hf_conversion.py::test_each_family_imports_with_hf_logits" \
   "tests/test_hf_conversion.py::test_tp2_pp2_together" \
   "tests/test_rl_step.py::test_rl_step_first_update_is_on_policy_and_exact" \
+  "tests/test_interleaved.py::test_the_simulated_order_is_megatrons_schedule_table" \
+  "tests/test_interleaved.py::test_pp2_vpp2_packed_and_dynamic_match_the_unpacked_reference" \
+  "tests/test_interleaved.py::test_batched_p2p_at_pp2_breaks_the_interleaved_step" \
+  "tests/test_interleaved.py::test_the_trainer_at_pp2_vpp2_continues_pp1_runs_through_checkpoints" \
   "$@"

@@ -192,3 +192,27 @@ def save_load_timing_worker(rank: int, world_size: int, *, root: str, repeats: i
     size = sum(p.stat().st_size for p in folder.iterdir())
     params = sum(p.numel() for p in setup.policy.model.parameters())
     return {"bytes": size, "parameters": params, "save_s": min(saves), "load_s": min(loads)}
+
+
+INTERLEAVED = ["parallel.pp=2", "parallel.vpp=2"]
+DYNAMIC = ["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "dynamic_batching.train_mb_tokens=1024",
+           "parallel.variable_seq_lengths=true"]  # fmt: skip
+
+
+def interleaved_resume_worker(rank: int, world_size: int, *, root: str) -> dict:
+    """The trainer at (PP, VPP) = (2, 2) against the same run at PP1 x DP2, through checkpoints both ways
+    (4 layers: one per model chunk): a PP1 checkpoint of step 2 resumed interleaved, packed and dynamic;
+    an interleaved checkpoint of step 2 resumed at PP1. Every run's steps 3-4 must be its straight run's."""
+    root, layers = Path(root), "model.num_layers=4"
+    out = {
+        "straight": _train(root / "straight", "training.steps=4", layers),
+        "first": _train(root / "first", "training.steps=2", layers),
+        "straight_vpp": _train(root / "straight_vpp", "training.steps=4", layers, *INTERLEAVED),
+        "first_vpp": _train(root / "first_vpp", "training.steps=2", layers, *INTERLEAVED),
+    }
+    resumes = {"vpp_packed": ("first", INTERLEAVED), "vpp_dynamic": ("first", [*INTERLEAVED, *DYNAMIC]),
+               "pp1_from_vpp": ("first_vpp", [])}  # fmt: skip
+    for name, (written, layout) in resumes.items():
+        _copy_checkpoint(rank, root / written / "checkpoints" / "step_000002", root / name / "checkpoints")
+        out[name] = _train(root / name, "training.steps=4", "resume=true", layers, *layout)
+    return out

@@ -88,14 +88,17 @@ def run_distributed(target: str, world_size: int, timeout: float = 600.0, **kwar
                 for process in ctx.processes:
                     process.kill()
                 raise TimeoutError(f"{target} on {world_size} ranks did not finish in {timeout:.0f} s (hang?)")
-        results = []
+        results, errors = [], []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pkl")
             if not os.path.exists(path):
                 raise RuntimeError(f"rank {rank} of {target} wrote no result")
             with open(path, "rb") as f:
                 result = pickle.load(f)
-            if "error" in result:
-                raise RuntimeError(f"rank {rank} of {target} failed:\n{result['error']}")
-            results.append(result["ok"])
+            if "error" in result:  # every failed rank's traceback: the first one is often a peer's echo
+                errors.append(f"rank {rank} of {target} failed:\n{result['error']}")
+            else:
+                results.append(result["ok"])
+        if errors:
+            raise RuntimeError("\n".join(errors))
         return results

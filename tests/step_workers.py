@@ -20,10 +20,14 @@ VOCAB = 96
 NUM_LAYERS = 4
 
 
-def model_config(*, tp=1, pp=1, cp=1, sp=False, variable_seq_lengths=False, per_token_loss=False):
+def model_config(*, tp=1, pp=1, cp=1, sp=False, variable_seq_lengths=False, per_token_loss=False, vpp=1,
+                 batched_p2p=False):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
+    if vpp > 1:  # Megatron-LM's settings for the interleaved schedule (mcore_packing.megatron.model sets them too)
+        extra.update(virtual_pipeline_model_parallel_size=vpp, overlap_p2p_comm=not batched_p2p,
+                     batch_p2p_comm=batched_p2p)  # fmt: skip
     return TransformerConfig(
         num_layers=NUM_LAYERS,
         hidden_size=64,
@@ -45,10 +49,11 @@ def model_config(*, tp=1, pp=1, cp=1, sp=False, variable_seq_lengths=False, per_
     )
 
 
-def build_gpt(config, spec, *, pre_process=True, post_process=True):
+def build_gpt(config, spec, *, pre_process=True, post_process=True, **extra):
     from megatron.core.models.gpt import GPTModel
 
     return GPTModel(
+        **extra,
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
@@ -70,6 +75,38 @@ def build_stage(config):
     torch.manual_seed(0)
     return build_gpt(config, get_packed_gpt_block_spec(config, "local"), pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())  # fmt: skip
+
+
+def build_chunks(config, vpp: int) -> list[tuple]:
+    """This stage's ``vpp`` model chunks of Megatron's virtual pipeline, each with the global index of
+    its first layer: ``[(module, layer_offset)]`` (built from seed 0; the weights are then loaded)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+    from mcore_packing.megatron import get_packed_gpt_block_spec
+
+    torch.manual_seed(0)
+    chunks = []
+    for v in range(vpp):
+        spec = get_packed_gpt_block_spec(config, "local", vp_stage=v)
+        first = ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=v)
+        last = ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=v)
+        module = build_gpt(config, spec, pre_process=first, post_process=last, vp_stage=v)
+        chunks.append((module, get_transformer_layer_offset(config, vp_stage=v)))
+    return chunks
+
+
+def wrap_chunks_in_ddp(config, modules) -> list:
+    """Megatron DDP around every chunk, Megatron's finalize, one no_sync per chunk (as Megatron's trainer)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+
+    ddp_config = DistributedDataParallelConfig(overlap_grad_reduce=False, use_distributed_optimizer=False)
+    chunks = [DistributedDataParallel(config, ddp_config, m, disable_bucketing=i > 0) for i, m in enumerate(modules)]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [chunk.no_sync for chunk in chunks]
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    return chunks
 
 
 def gather_results(world_size: int, grads: dict, loss: float, **extra) -> tuple[dict, list[float], list[dict]]:
@@ -114,14 +151,15 @@ def _attention_cost_model():
     )
 
 
-def _init(tp=1, pp=1, cp=1):
+def _init(tp=1, pp=1, cp=1, vpp=1):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
@@ -219,7 +257,7 @@ def _apply_negative_control(kind: str | None):
     import mcore_packing.megatron.schedule as schedule
     from mcore_packing.thd import loss_weights as loss_module
 
-    if kind is None:
+    if kind in (None, "batched_p2p"):  # batched_p2p: set in model_config
         return
     if kind == "no_global_normalization":
         # Normalize by this rank's own token count instead of the all-reduced global count.
@@ -292,23 +330,28 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         importlib.reload(schedule)
         _apply_negative_control(cfg.get("negative"))
         cu_lengths = _record_cu_lengths(prepare)
-        tp, pp, cp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1)
-        _init(tp, pp, cp)
+        tp, pp, cp, vpp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1), cfg.get("vpp", 1)
+        _init(tp, pp, cp, vpp)
         dp = world_size // (tp * pp * cp)
         sp = cfg.get("sp", False)
         vsl = cfg.get("variable_seq_lengths", False)
         with cpu_device_adapter() as adapter:
-            config = model_config(
-                tp=tp, pp=pp, cp=cp, sp=sp, variable_seq_lengths=vsl, per_token_loss=cfg.get("per_token_loss", False)
-            )
-            module = build_stage(config)
-            layer_offset = ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp)
-            load_sharded(module, state_dict, ps.get_tensor_model_parallel_rank(), tp, layer_offset)
-            ddp = wrap_in_ddp(config, module)
+            config = model_config(tp=tp, pp=pp, cp=cp, sp=sp, variable_seq_lengths=vsl, vpp=vpp,
+                                  per_token_loss=cfg.get("per_token_loss", False),
+                                  batched_p2p=cfg.get("negative") == "batched_p2p")  # fmt: skip
+            chunks = build_chunks(config, vpp) if vpp > 1 else [(build_stage(config), None)]
+            if chunks[0][1] is None:
+                chunks = [(chunks[0][0], ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp))]
+            for module, layer_offset in chunks:
+                load_sharded(module, state_dict, ps.get_tensor_model_parallel_rank(), tp, layer_offset)
+            if vpp > 1:
+                ddp = wrap_chunks_in_ddp(config, [module for module, _ in chunks])
+            else:
+                ddp = wrap_in_ddp(config, chunks[0][0])
             plan_config = StepPlanConfig(
                 mode=cfg.get("mode", "packing"),
                 train_mb_tokens=cfg.get("train_mb_tokens", 96),
-                layout=ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sp),
+                layout=ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, sequence_parallel=sp, vpp=vpp),
                 fixed_length=None if not vsl else False,
                 fixed_shape=cfg.get("fixed_shape", False),
                 microbatch_order=cfg.get("microbatch_order", "packer"),
@@ -337,7 +380,9 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 plan = plan_step(lengths, plan_config)
                 nll = nll_loss(cfg.get("normalization", "token_mean"))
                 result = forward_backward(ddp, seq_samples, plan, pgs, loss=nll, device="cpu")
-            grads = collect_full_grads(ddp, layer_offset)
+            grads = {}
+            for chunk, (_, layer_offset) in zip(ddp if vpp > 1 else [ddp], chunks, strict=True):
+                grads.update(collect_full_grads(chunk, layer_offset))
             logprobs = None
             if cfg.get("logprobs"):
                 logprob_plan = plan_step(lengths, plan_config, forward_only=True)
@@ -347,6 +392,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         if ps.get_tensor_model_parallel_rank() != 0:
             mine = {}
         sites = sorted(adapter.call_sites) if adapter is not None else []
+        stage_layers = _stage_layers(world_size, chunks)
         merged, losses, gathered = gather_results(world_size, mine, result.loss, call_sites=sites)
         results.append(
             {
@@ -355,6 +401,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 "all_losses_equal": len(set(losses)) == 1,
                 "grads": merged,
                 "num_microbatches": result.num_microbatches,
+                "stage_layers": stage_layers,
                 "logprobs": logprobs,
                 "call_sites": sorted({tuple(site) for item in gathered for site in item["call_sites"]}),
                 "cu_lengths": sorted(set(cu_lengths)),  # rank 0's cu_seqlens lengths, every micro-batch
@@ -362,6 +409,18 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         )
         ps.destroy_model_parallel()
     return results if rank == 0 else None
+
+
+def _stage_layers(world_size: int, chunks) -> dict:
+    """Which global layers, and whether the embedding / the head, every pipeline rank's chunks hold:
+    ``{pp_rank: [(first_layer, num_layers, has_embedding, has_head), ...]}`` (from rank 0 of each stage)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    mine = [(offset, len(m.decoder.layers), m.pre_process, m.post_process) for m, offset in chunks]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, (ps.get_pipeline_model_parallel_rank(), mine))
+    return dict(gathered)
 
 
 def plan_mismatch_worker(rank, world_size):

@@ -32,6 +32,18 @@ def test_dynamic_with_pp_needs_variable_seq_lengths():
         _check_schedule_config(plan, types.SimpleNamespace(variable_seq_lengths=False))
 
 
+def test_the_model_chunks_must_match_the_planned_vpp():
+    vsl = types.SimpleNamespace(variable_seq_lengths=True)
+    interleaved = ParallelLayout(pp=2, vpp=2)
+    plan = plan_step([5, 9, 12, 3], StepPlanConfig(mode="dynamic", train_mb_tokens=32, layout=interleaved))
+    with pytest.raises(ValueError, match="made for vpp=2 model chunks per stage but the model has 1"):
+        _check_schedule_config(plan, vsl, 1)
+    _check_schedule_config(plan, vsl, 2)
+    plain = plan_step([5, 9, 12, 3], StepPlanConfig(mode="dynamic", train_mb_tokens=32, layout=ParallelLayout(pp=2)))
+    with pytest.raises(ValueError, match="made for vpp=1 model chunks per stage but the model has 2"):
+        _check_schedule_config(plain, vsl, 2)
+
+
 def test_samples_must_match_the_plan():
     plan = plan_step([3, 4], StepPlanConfig(train_mb_tokens=32))
     with pytest.raises(ValueError, match="the plan covers 2 samples but 1 were given"):

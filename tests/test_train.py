@@ -138,6 +138,13 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["training.balance=greedy"], 1, "training.balance must be one of cost, tokens, round_robin"),
         (["data.max_sample_tokens=0"], 1, "data.max_sample_tokens must be an integer >= 1"),
         (["training.global_batch_size=600"], 1, "larger than the data set"),
+        (["parallel.vpp=2"], 1, "parallel.vpp=2 interleaves model chunks over pipeline stages, but pp=1"),
+        (["parallel.pp=2", "parallel.vpp=2"], 2, "model.num_layers=2 cannot be split into parallel.pp x parallel.vpp"),
+        (["parallel.pp=2", "parallel.vpp=2", "parallel.microbatch_group_size_per_vp_stage=1"], 2,
+         "parallel.microbatch_group_size_per_vp_stage=1 must be at least pp=2"),
+        (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "model.num_experts=4", "model.gated_mlp=true",
+          "model.linear_bias=false"], 2,
+         "parallel.vpp=2 with a Mixture-of-Experts model is not supported yet"),
     ],
 )
 def test_validation_errors_name_the_key(tmp_path, overrides, world, fragment):

@@ -171,13 +171,17 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallelism (Mixture-of-Experts): experts split over ep of the DP x CP ranks
+    vpp: int = 1  # virtual pipeline: model chunks per stage (Megatron's interleaved 1F1B); needs pp > 1
+    # Megatron's key (null: pp): micro-batches per chunk in turn; each rank's count is planned a multiple of it
+    microbatch_group_size_per_vp_stage: int | None = None
     sequence_parallel: bool = False
     variable_seq_lengths: bool = False
     make_sequence_length_divisible_by: int | None = None  # NeMo-RL's key; must suit CP/TP
 
     def __post_init__(self):
-        _positive("parallel", self, "tp", "pp", "cp", "ep")
-        _positive("parallel", self, "make_sequence_length_divisible_by", allow_none=True)
+        _positive("parallel", self, "tp", "pp", "cp", "ep", "vpp")
+        _positive("parallel", self, "make_sequence_length_divisible_by", "microbatch_group_size_per_vp_stage",
+                  allow_none=True)  # fmt: skip
         unit = self.layout()  # the layout's own checks (sequence parallelism needs TP)
         cp_multiple = unit.sequence_multiple
         divisible_by = self.make_sequence_length_divisible_by
@@ -195,12 +199,15 @@ class ParallelConfig:
             return ParallelLayout.for_world(
                 self.tp * self.pp * self.cp if world_size is None else world_size, tp=self.tp, pp=self.pp,
                 cp=self.cp, sequence_parallel=self.sequence_parallel, ep=1 if world_size is None else self.ep,
+                vpp=self.vpp, microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
                 keys="parallel.tp x parallel.pp x parallel.cp",
             )  # fmt: skip
         except ValueError as exc:
             message = str(exc).replace("sequence_parallel=true needs tp", "parallel.sequence_parallel=true needs "
                                        "parallel.tp")  # fmt: skip
             message = message.replace(f"ep={self.ep} must", f"parallel.ep={self.ep} must")
+            for key in ("vpp", "microbatch_group_size_per_vp_stage"):
+                message = message.replace(f"{key}=", f"parallel.{key}=", 1)
             raise ConfigError(message) from None
 
 
@@ -409,6 +416,16 @@ def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
         layout.check_experts(shape.num_experts)
     except ValueError as exc:
         raise ConfigError(str(exc), key="parallel.ep") from None
+    try:
+        layout.check_layers(shape.num_layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc).replace("pp x vpp", "parallel.pp x parallel.vpp"), key="parallel.vpp") from None
+    if layout.vpp > 1 and shape.is_moe:
+        raise ConfigError(
+            f"parallel.vpp={layout.vpp} with a Mixture-of-Experts model is not supported yet: the router losses "
+            "and the expert-load meters are wired to one model chunk per stage. Use parallel.vpp=1.",
+            key="parallel.vpp",
+        )
 
 
 def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None = None) -> StepPlanConfig:

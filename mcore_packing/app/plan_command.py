@@ -156,6 +156,7 @@ _KEYS = {
     "pp": "parallel.pp",
     "cp": "parallel.cp",
     "ep": "parallel.ep",
+    "vpp": "parallel.vpp",
     "sp": "parallel.sequence_parallel",
     "fp8_recipe": "model.fp8_recipe",
     "global_batch_size": "training.global_batch_size",
@@ -226,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, help="training.padded_micro_batch_rows (the padded baseline)")
     p.add_argument("--steps", type=int, help="training.steps: how many of the run's global batches to plan")
     p.add_argument("--dp", type=int, help="data-parallel ranks (default: the config's cluster / (tp x pp x cp))")
-    for name in ("tp", "pp", "cp", "ep"):
+    for name in ("tp", "pp", "cp", "ep", "vpp"):
         p.add_argument(f"--{name}", type=int, help=f"parallel.{name}")
     p.add_argument("--sp", action=argparse.BooleanOptionalAction, help="parallel.sequence_parallel")
     p.add_argument("--fp8-recipe", choices=sorted(FP8_ROW_ALIGNMENT),
@@ -439,6 +440,8 @@ def _document(args, cfg: TrainConfig, source, lengths, config: StepPlanConfig, s
             "pp": layout.pp,
             "cp": layout.cp,
             "ep": layout.ep,
+            "vpp": layout.vpp,
+            "microbatch_group": layout.microbatch_group,
             "sp": layout.sequence_parallel,
             "fp8_recipe": cfg.model.fp8_recipe,
             "padded_rows": config.padded_rows,
@@ -466,6 +469,7 @@ def _print_text(doc: dict) -> None:
         f"algorithm={c['algorithm']} refine={c['refine']} global_batch_size={c['global_batch_size']} "
         f"({c['planned_batches']} planned batches) "
         f"dp={c['dp']} tp={c['tp']} pp={c['pp']} cp={c['cp']} ep={c['ep']} sp={c['sp']}"
+        + (f" vpp={c['vpp']}" if c.get("vpp", 1) > 1 else "")
         + (f" fp8_recipe={c['fp8_recipe']}" if c["fp8_recipe"] else "")
     )
     print(
@@ -513,9 +517,17 @@ def _print_text(doc: dict) -> None:
         print(f"wrote {doc['png']}")
 
 
+def _count_rule(c: dict) -> str:
+    """The multiple every step's micro-batch count is planned to, in words."""
+    if c.get("vpp", 1) > 1:
+        return f"dp={c['dp']} x the interleaved group {c['microbatch_group']}"
+    return f"dp={c['dp']}"
+
+
 def _print_step_time_and_fill(s: dict, c: dict) -> None:
     """The predicted step time against its bound, the fill histogram and the half-empty rows."""
-    bound = "total cost / DP" + (" and the 1F1B pipeline bound" if c["pp"] > 1 else "")
+    interleaved = " (interleaved, vpp=" + str(c["vpp"]) + ")" if c.get("vpp", 1) > 1 else ""
+    bound = "total cost / DP" + (f" and the 1F1B pipeline bound{interleaved}" if c["pp"] > 1 else "")
     print(
         f"  predicted step time: {s['predicted_over_lower_bound']:.3f}x its lower bound ({bound}): "
         f"{s['predicted_step_cost']:.4g} vs {s['step_cost_lower_bound']:.4g} per step"
@@ -526,7 +538,7 @@ def _print_step_time_and_fill(s: dict, c: dict) -> None:
         forced = s["below_half_full_forced_by_equal_counts"]
         print(
             f"  below half full: {s['below_half_full']} of {s['micro_batches']:,} micro-batches; {forced} forced by "
-            f"equal counts per rank (packing alone needs fewer rows than a multiple of dp={c['dp']}), "
+            f"equal counts per rank (packing alone needs fewer rows than a multiple of {_count_rule(c)}), "
             f"{s['below_half_full'] - forced} otherwise"
         )
 

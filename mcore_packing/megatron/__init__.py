@@ -6,7 +6,8 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `packed_seq`: `to_packed_seq_params` (+ the host-side `ThdLayout` attention reads).
 - `attention`: `PackedCoreAttention`, THD/BSHD causal attention for the local layer spec.
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
-- `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`.
+- `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`,
+  `build_gpt_chunks` (a stage's chunks under a virtual pipeline).
 - `_patches`: every change to megatron-core's or torch's behaviour, each tied to the megatron-core versions
   it applies to: `cpu_device_adapter()` (Megatron's hard-coded CUDA call sites redirected on CPU), the
   distributed optimizer's torch-Adam load repairs.
@@ -29,7 +30,7 @@ from .layer_spec import (
     get_packed_gpt_layer_spec,
     resolve_attention_backend,
 )
-from .model import build_gpt_model, initialize_parallel, transformer_config
+from .model import build_gpt_chunks, build_gpt_model, initialize_parallel, transformer_config
 from .packed_seq import ThdLayout, thd_layout, to_packed_seq_params
 from .policy import Policy, build_policy
 from .prepare import PreparedMicroBatch, per_sample_logprobs, prepare_micro_batch
@@ -55,6 +56,7 @@ __all__ = [
     "StepResult",
     "ThdLayout",
     "TokenMeanNLL",
+    "build_gpt_chunks",
     "build_gpt_model",
     "build_policy",
     "compute_logprobs",

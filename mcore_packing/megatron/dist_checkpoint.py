@@ -66,11 +66,20 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
+def _model_state(model) -> dict:
+    """The model's sharded state: ``{"model": ...}``, or per chunk ``{"model0": ..., "model1": ...}`` under
+    a virtual pipeline (Megatron-LM's keys). Only the nesting differs: every tensor is saved under its
+    global name (chunks map layers by their global numbers), so a checkpoint written at one vpp loads at
+    another."""
+    if not isinstance(model, list):
+        return {"model": _unwrap(model).sharded_state_dict()}
+    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+
+
 def _sharded_state(model, optimizer, *, with_rng: bool, loading: bool) -> dict:
-    model_state = _unwrap(model).sharded_state_dict()
-    state = {"model": model_state}
+    state = _model_state(model)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=loading, metadata=_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(dict(state), is_loading=loading, metadata=_METADATA)
     if with_rng:
         state[_RNG_KEY] = _rng_object()
     return state
@@ -100,7 +109,8 @@ def load_training_state(directory: str | os.PathLike, model, optimizer, *, resto
     state = dist_checkpointing.load(
         _sharded_state(model, optimizer, with_rng=restore_rng, loading=True), str(directory)
     )
-    _unwrap(model).load_state_dict(state["model"])
+    for chunk, key in zip(model if isinstance(model, list) else [model], _model_state_keys(model), strict=True):
+        _unwrap(chunk).load_state_dict(state[key])
     if optimizer is not None:
         with torch_adam_load.repaired(optimizer):
             optimizer.load_state_dict(state["optimizer"])
@@ -110,3 +120,7 @@ def load_training_state(directory: str | os.PathLike, model, optimizer, *, resto
         tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _model_state_keys(model) -> list[str]:
+    return [f"model{i}" for i in range(len(model))] if isinstance(model, list) else ["model"]

@@ -1,10 +1,11 @@
 """Build a Megatron GPTModel wired for packed/dynamic micro-batches (used by the trainer and benchmarks).
 
 ``initialize_parallel`` sets up Megatron's process groups for a `ParallelLayout`; ``transformer_config``
-turns a `ModelShape` on a layout into Megatron's ``TransformerConfig``; ``build_gpt_model`` returns the
-model chunk wrapped in Megatron DDP with ``finalize_model_grads`` and ``no_sync`` hooked into the config,
+turns a `ModelShape` on a layout into Megatron's ``TransformerConfig``; ``build_gpt_chunks`` returns this
+stage's model chunks (one per virtual pipeline stage; ``build_gpt_model`` the one chunk without VPP), each
+wrapped in Megatron DDP with ``finalize_model_grads`` and ``no_sync`` hooked into the config,
 so `schedule.forward_backward` gets exact gradients. The layout's DP size is what Megatron derives from
-the world; model building reads only tp, pp, cp and sequence_parallel from it.
+the world; model building reads only tp, pp, cp, ep, vpp and sequence_parallel from it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,14 @@ from ..compat import require_megatron
 from ..planning.layout import SINGLE_RANK, ParallelLayout
 from ..planning.model_shape import ModelShape
 
-__all__ = ["build_gpt_model", "initialize_parallel", "moe_config", "padded_vocab_size", "transformer_config"]
+__all__ = [
+    "build_gpt_chunks",
+    "build_gpt_model",
+    "initialize_parallel",
+    "moe_config",
+    "padded_vocab_size",
+    "transformer_config",
+]
 
 
 def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 1234) -> None:
@@ -31,6 +39,7 @@ def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 123
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
     )
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
 
@@ -52,7 +61,10 @@ def transformer_config(
     tp = layout.tp
     layout.check_heads(shape.num_attention_heads, shape.kv_heads)
     layout.check_experts(shape.num_experts)
+    layout.check_layers(shape.num_layers)
     extra.update(moe_config(shape, layout))
+    if layout.vpp > 1:  # P2P as Megatron-LM runs the interleaved schedule: unbatched, overlapped
+        extra.update(_interleaved_p2p(layout))
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -78,6 +90,20 @@ def transformer_config(
         attention_dropout=0.0,
         variable_seq_lengths=variable_seq_lengths,
         **extra,
+    )
+
+
+def _interleaved_p2p(layout: ParallelLayout) -> dict:
+    """The interleaved schedule's fields. P2P goes unbatched and overlapped (Megatron-LM's default under a
+    virtual pipeline): the batched path posts a send to the previous and one to the next stage in one
+    order on every rank, so at pp=2, where both are the same peer, an activation meets a gradient's
+    receive (measured on gloo: gradients off by 40x at fixed shapes, a hang or a shape error with
+    variable ones; `tests/test_interleaved.py` keeps it as a negative control)."""
+    return dict(
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        microbatch_group_size_per_vp_stage=layout.microbatch_group,
+        overlap_p2p_comm=True,
+        batch_p2p_comm=False,
     )
 
 
@@ -146,7 +172,16 @@ def _column_mask(logits: torch.Tensor, first: int) -> torch.Tensor:
     return column >= first
 
 
-def build_gpt_model(
+def build_gpt_model(shape: ModelShape, layout: ParallelLayout = SINGLE_RANK, **options):
+    """A DDP-wrapped GPTModel chunk for this pipeline stage and its TransformerConfig (`build_gpt_chunks`
+    with one chunk per stage; under ``layout.vpp > 1`` use `build_gpt_chunks`)."""
+    if layout.vpp > 1:
+        raise ValueError(f"layout.vpp={layout.vpp} builds {layout.vpp} model chunks per stage: call build_gpt_chunks.")
+    chunks, config = build_gpt_chunks(shape, layout, **options)
+    return chunks[0], config
+
+
+def build_gpt_chunks(
     shape: ModelShape,
     layout: ParallelLayout = SINGLE_RANK,
     *,
@@ -159,8 +194,11 @@ def build_gpt_model(
     grad_reduce_in_fp32: bool = False,
     process_groups=None,
 ):
-    """A DDP-wrapped GPTModel chunk for this pipeline stage and its TransformerConfig. GPTModel and DDP get
-    ``process_groups``' collection explicitly (default `ProcessGroups.from_megatron()`).
+    """This pipeline stage's model chunks (``layout.vpp`` of them, Megatron's virtual pipeline; one
+    without it), each a GPTModel wrapped in Megatron DDP, and their TransformerConfig. GPTModel and DDP
+    get ``process_groups``' collection explicitly (default `ProcessGroups.from_megatron()`). Chunk ``v``
+    of stage ``s`` holds model chunk ``v * pp + s`` (Megatron's layer offsets); the embedding sits in
+    chunk 0 of the first stage, the head in the last chunk of the last stage.
 
     ``use_distributed_optimizer`` lays the gradient buffer out for Megatron's distributed optimizer
     (optimizer state sharded over DP); ``grad_reduce_in_fp32`` keeps the gradient buffer (and its
@@ -168,23 +206,45 @@ def build_gpt_model(
     """
     require_megatron()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
 
-    from .layer_spec import get_packed_gpt_block_spec
-    from .process_groups import ProcessGroups, group_rank
+    from .process_groups import ProcessGroups
 
     pgs = process_groups or ProcessGroups.from_megatron()
     if shape.is_moe:
         from ._patches.moe_without_te import define_missing_te_gemm
 
         define_missing_te_gemm()
-
-    tp = layout.tp
     config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype)
     torch.manual_seed(seed)
+    ddp_config = DistributedDataParallelConfig(
+        overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+    )  # fmt: skip
+    chunks = []
+    for vp_stage in range(layout.vpp):
+        model = _gpt_chunk(shape, layout, config, pgs, attention_backend, vp_stage)
+        if device is not None:
+            model = model.to(device)
+        chunks.append(DistributedDataParallel(config, ddp_config, model, pg_collection=pgs.collection,
+                                              disable_bucketing=vp_stage > 0))  # fmt: skip
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [chunk.no_sync for chunk in chunks]
+    return chunks, config
+
+
+def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention_backend: str, vp_stage: int):
+    """Model chunk ``vp_stage`` of this stage: a GPTModel with the packed layer spec, the padded
+    vocabulary masked on the head, and, for Mixture-of-Experts, the router loss installed."""
+    from megatron.core.models.gpt import GPTModel
+
+    from .layer_spec import get_packed_gpt_block_spec
+    from .process_groups import group_rank
+
+    tp, vpp = layout.tp, layout.vpp
+    stage = vp_stage if vpp > 1 else None
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_packed_gpt_block_spec(config, attention_backend),
+        transformer_layer_spec=get_packed_gpt_block_spec(config, attention_backend, vp_stage=stage),
         vocab_size=padded_vocab_size(shape.vocab_size, tp),
         max_sequence_length=shape.max_sequence_length,
         position_embedding_type="rope",
@@ -192,9 +252,10 @@ def build_gpt_model(
         rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
         share_embeddings_and_output_weights=shape.tie_embeddings,
-        pre_process=pgs.is_first_stage,
-        post_process=pgs.is_last_stage,
+        pre_process=pgs.is_first_stage and vp_stage == 0,
+        post_process=pgs.is_last_stage and vp_stage == vpp - 1,
         pg_collection=pgs.collection,
+        vp_stage=stage,
     )
     if model.post_process and padded_vocab_size(shape.vocab_size, tp) != shape.vocab_size:
         _mask_padded_vocab(model.output_layer, shape.vocab_size, tp, group_rank(pgs.tp))
@@ -204,18 +265,4 @@ def build_gpt_model(
         _experts_apart(model)
         RouterLoss.install(model, RouterLossConfig.from_shape(shape), reduce_group=pgs.collection.tp_cp,
                            num_moe_layers=sum(shape.moe_layers()))  # fmt: skip
-    if device is not None:
-        model = model.to(device)
-    ddp = DistributedDataParallel(
-        config,
-        DistributedDataParallelConfig(
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=use_distributed_optimizer,
-            grad_reduce_in_fp32=grad_reduce_in_fp32,
-        ),
-        model,
-        pg_collection=pgs.collection,
-    )
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = ddp.no_sync
-    return ddp, config
+    return model

@@ -27,7 +27,8 @@ __all__ = ["Policy", "build_policy"]
 
 @dataclass
 class Policy:
-    """A Megatron model and what steps it: the (DDP-wrapped) model chunk, Megatron's optimizer and
+    """A Megatron model and what steps it: the (DDP-wrapped) model chunk (under a virtual pipeline,
+    ``layout.vpp > 1``, the list of this stage's chunks), Megatron's optimizer and
     ``OptimizerParamScheduler`` (None for a frozen model), its process groups and its device. ``info``
     holds what the build did (``tensors_read`` from a Hugging Face folder)."""
 
@@ -37,6 +38,11 @@ class Policy:
     process_groups: ProcessGroups
     device: torch.device
     info: dict = field(default_factory=dict)
+
+    @property
+    def chunks(self) -> list:
+        """This stage's model chunks as a list (one without a virtual pipeline)."""
+        return self.model if isinstance(self.model, list) else [self.model]
 
 
 def build_policy(
@@ -57,11 +63,11 @@ def build_policy(
     weights of ``hf_path`` (this rank's slices), else the seeded initialization; with ``optimizer`` its
     optimizer and schedule, else frozen in eval mode."""
     from .hf_weights import load_hf_weights
-    from .model import build_gpt_model
+    from .model import build_gpt_chunks
     from .process_groups import group_rank
 
     process_groups = ProcessGroups.from_megatron()
-    model, _ = build_gpt_model(
+    chunks, _ = build_gpt_chunks(
         shape,
         layout,
         variable_seq_lengths=variable_seq_lengths,
@@ -73,13 +79,15 @@ def build_policy(
         grad_reduce_in_fp32=grad_reduce_in_fp32 and optimizer is not None,
         process_groups=process_groups,
     )
+    model = chunks[0] if len(chunks) == 1 else chunks
     info = {}
     if hf_path is not None:
-        stats = load_hf_weights(model, shape, hf_path, tp_rank=group_rank(process_groups.tp), tp_size=layout.tp,
-                                ep_rank=group_rank(process_groups.ep), ep_size=layout.ep)  # fmt: skip
-        info["tensors_read"] = stats["tensors_read"]
+        ranks = dict(tp_rank=group_rank(process_groups.tp), tp_size=layout.tp, ep_rank=group_rank(process_groups.ep),
+                     ep_size=layout.ep)  # fmt: skip
+        info["tensors_read"] = sum(load_hf_weights(chunk, shape, hf_path, **ranks)["tensors_read"] for chunk in chunks)
     built, scheduler = (None, None) if optimizer is None else optimizer(model)
     if optimizer is None:
-        model.eval()
+        for chunk in chunks:
+            chunk.eval()
     return Policy(model=model, optimizer=built, scheduler=scheduler, process_groups=process_groups,
                   device=torch.device(device), info=info)  # fmt: skip

@@ -13,6 +13,11 @@ global loss of its `step_loss.StepLoss` (`thd.loss_weights`); the optimizer step
 (`train_step.train_step` does the whole step). The schedule code is Megatron's own; on a CPU-only
 machine wrap calls in `cpu_device_adapter()`.
 
+Interleaved pipeline (``layout.vpp > 1``): ``model`` is the stage's list of chunks (`build_gpt_chunks`),
+each chunk reads the prepared micro-batches from its own iterator, and the plan's micro-batch count per
+rank meets Megatron's rules for the interleaved schedule (`planning.pipeline.check_interleaved_count`;
+the planner makes it a multiple of ``microbatch_group_size_per_vp_stage``).
+
 Shapes for pipeline parallelism: packing mode sends ``[T/cp/(tp if sp), 1, hidden]`` tensors, so with a
 fixed row length (the default under PP) ``seq_length`` is the row capacity and ``micro_batch_size`` 1;
 with ``config.variable_seq_lengths`` Megatron exchanges shapes per micro-batch. Dynamic mode always
@@ -29,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.sample import SequenceSample
+from ..planning.pipeline import check_interleaved_count
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
@@ -171,9 +177,11 @@ def _run_schedule(
     p2p = None
     if process_groups.pp_size > 1:
         p2p = P2PCommunicator(pp_group=process_groups.pp, config=get_model_config(chunks[0]))
+    # Interleaved: every chunk reads the micro-batches in order, each from its own iterator.
+    data = iter(prepared) if len(chunks) == 1 else [iter(prepared) for _ in chunks]
     return get_forward_backward_func()(
         forward_step_func=_forward_step(loss_func, process_groups),
-        data_iterator=iter(prepared),
+        data_iterator=data,
         model=chunks,
         num_microbatches=len(prepared),
         seq_length=max(s[1] for s in shapes),  # p2p shapes; ignored with variable sequence lengths
@@ -275,7 +283,7 @@ def _check_step(model, samples: Sequence[SequenceSample], plan: StepPlan):
 
     _check_samples(samples, plan)
     model_config = get_model_config(model[0] if isinstance(model, list) else model)
-    _check_schedule_config(plan, model_config)
+    _check_schedule_config(plan, model_config, len(model) if isinstance(model, list) else 1)
     return model_config
 
 
@@ -294,8 +302,16 @@ def _check_samples(samples: Sequence[SequenceSample], plan: StepPlan) -> None:
             raise ValueError(f"sample {i} has {have} tokens but the plan says {n}.")
 
 
-def _check_schedule_config(plan: StepPlan, model_config) -> None:
+def _check_schedule_config(plan: StepPlan, model_config, num_chunks: int = 1) -> None:
     config = plan.config
+    layout = config.layout
+    if num_chunks != layout.vpp:
+        raise ValueError(
+            f"the plan was made for vpp={layout.vpp} model chunks per stage but the model has {num_chunks}; plan "
+            "with the model's layout (ParallelLayout(vpp=...)), or build the model with build_gpt_chunks for it."
+        )
+    if layout.vpp > 1 and plan.num_microbatches:
+        check_interleaved_count(plan.num_microbatches, layout.pp, layout.microbatch_group)
     if config.layout.pp > 1 and not getattr(model_config, "variable_seq_lengths", False):
         if config.mode == "dynamic":
             raise ValueError(

@@ -41,7 +41,8 @@ def train_step(
     reduces the gradients over DP x CP), step Megatron's optimizer, then the LR schedule."""
     if policy.optimizer is None:
         raise ValueError("train_step needs a policy with an optimizer; this one was built frozen (optimizer=None).")
-    policy.model.zero_grad_buffer()
+    for chunk in policy.chunks:
+        chunk.zero_grad_buffer()
     policy.optimizer.zero_grad()
     start = time.perf_counter()
     result = forward_backward(policy.model, samples, plan, policy.process_groups, loss=loss, device=policy.device)

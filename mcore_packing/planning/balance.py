@@ -121,8 +121,9 @@ def _spread_positions(costs: np.ndarray, limit: int) -> np.ndarray:
     return ordered[np.linspace(0, costs.size - 1, limit).round().astype(np.int64)]
 
 
-def order_microbatches(costs, order: str, pp_size: int = 1) -> list[int]:
-    """Positions of a rank's micro-batches in execution order (``costs``: forward + backward per micro-batch)."""
+def order_microbatches(costs, order: str, pp_size: int = 1, *, vpp: int = 1, group: int | None = None) -> list[int]:
+    """Positions of a rank's micro-batches in execution order (``costs``: forward + backward per micro-batch);
+    ``pipeline`` simulates the interleaved schedule when ``vpp > 1`` (``group``: its micro-batch group)."""
     if order not in ORDERS:
         raise ValueError(f"microbatch_order must be one of {', '.join(ORDERS)}; got {order!r}.")
     costs = np.asarray(costs, dtype=np.float64)
@@ -131,7 +132,8 @@ def order_microbatches(costs, order: str, pp_size: int = 1) -> list[int]:
     if order == "packer":
         return list(range(costs.size))
     if order == "pipeline":
-        return best_pipeline_order(costs / 3.0, max(pp_size, 1))  # forward third, backward 2x forward
+        # forward a third, backward twice the forward
+        return best_pipeline_order(costs / 3.0, max(pp_size, 1), vpp=vpp, group=group)
     descending = np.argsort(-costs, kind="stable").tolist()
     if order == "largest_first":
         return descending

@@ -31,6 +31,11 @@ class ParallelLayout:
         ep: expert-parallel size (Mixture-of-Experts): the experts of each layer are split over ``ep`` of
             the DP x CP ranks of one TP/PP position (Megatron's expert grid: expert TP = tp, so
             ``dp * cp = ep * expert-data-parallel``); attention and dense layers are unchanged.
+        vpp: virtual pipeline size: model chunks per pipeline stage (Megatron's interleaved 1F1B
+            schedule, ``virtual_pipeline_model_parallel_size``); 1 is the plain schedule. Needs pp > 1.
+        microbatch_group_size_per_vp_stage: under vpp > 1, how many micro-batches run through one chunk
+            before the next (Megatron's key; None is pp). Each rank's micro-batch count is planned a
+            multiple of it (`microbatch_multiple`).
     """
 
     tp: int = 1
@@ -39,10 +44,24 @@ class ParallelLayout:
     dp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
+    vpp: int = 1
+    microbatch_group_size_per_vp_stage: int | None = None
 
     def __post_init__(self):
-        for name in ("tp", "pp", "cp", "dp", "ep"):
+        for name in ("tp", "pp", "cp", "dp", "ep", "vpp"):
             require_positive_int(name, getattr(self, name))
+        require_positive_int("microbatch_group_size_per_vp_stage", self.microbatch_group_size_per_vp_stage,
+                             allow_none=True)  # fmt: skip
+        if self.vpp > 1 and self.pp == 1:
+            raise ValueError(
+                f"vpp={self.vpp} interleaves model chunks over pipeline stages, but pp=1: set pp > 1, or vpp=1."
+            )
+        if self.vpp > 1 and self.microbatch_group < self.pp:
+            raise ValueError(
+                f"microbatch_group_size_per_vp_stage={self.microbatch_group_size_per_vp_stage} must be at least "
+                f"pp={self.pp} (Megatron's interleaved schedule needs a group to fill the pipeline); leave it unset "
+                "for pp."
+            )
         if self.sequence_parallel and self.tp == 1:
             raise ValueError("sequence_parallel=true needs tp > 1 (it splits tokens over TP ranks).")
         if (self.dp * self.cp) % self.ep:
@@ -53,7 +72,8 @@ class ParallelLayout:
 
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
-                  ep: int = 1, keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
+                  ep: int = 1, vpp: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
+                  keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
         """The layout of ``world_size`` ranks (DP is what remains); an error names ``keys`` (the caller's
         spelling of tp, pp and cp) when the world does not factor."""
         model_parallel = tp * pp * cp
@@ -62,7 +82,20 @@ class ParallelLayout:
                 f"World size {world_size} does not factor into {keys} x DP = {tp} x {pp} x {cp} x DP. Launch a "
                 f"multiple of {model_parallel} ranks, or change the sizes."
             )
-        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, sequence_parallel=sequence_parallel, ep=ep)
+        return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, sequence_parallel=sequence_parallel, ep=ep,
+                   vpp=vpp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)  # fmt: skip
+
+    @property
+    def microbatch_group(self) -> int:
+        """Micro-batches per group of the interleaved schedule (``microbatch_group_size_per_vp_stage``, or pp)."""
+        group = self.microbatch_group_size_per_vp_stage
+        return self.pp if group is None else group
+
+    @property
+    def microbatch_multiple(self) -> int:
+        """Each DP rank's micro-batch count is a multiple of this: the group size under vpp > 1 (Megatron's
+        interleaved schedule runs whole groups, at least one), else 1."""
+        return self.microbatch_group if self.vpp > 1 else 1
 
     @property
     def model_parallel_size(self) -> int:
@@ -94,6 +127,15 @@ class ParallelLayout:
                     f"{key}={heads} heads cannot be split over parallel.tp={self.tp}: every tensor-parallel rank "
                     f"holds whole heads. Use a TP size that divides {heads}."
                 )
+
+    def check_layers(self, num_layers: int) -> None:
+        """Every model chunk (pp x vpp of them) holds the same number of whole layers."""
+        chunks = self.pp * self.vpp
+        if num_layers % chunks:
+            raise ValueError(
+                f"model.num_layers={num_layers} cannot be split into pp x vpp = {self.pp} x {self.vpp} = {chunks} "
+                f"equal model chunks. Use a pp and vpp whose product divides {num_layers}."
+            )
 
     def check_experts(self, num_experts: int | None) -> None:
         """Every expert-parallel rank holds whole experts; ep > 1 needs a Mixture-of-Experts model."""

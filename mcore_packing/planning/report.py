@@ -81,9 +81,12 @@ class _Tally:
     def _step_time(self, plan, config: StepPlanConfig) -> None:
         """Predicted step time (the slowest rank; its simulated 1F1B time under PP) and its lower bound."""
         per_rank = [[mb.cost for mb in rank] for rank in plan.micro_batches]
-        if config.layout.pp > 1:
-            times = [simulate_1f1b(np.asarray(c) / 3, config.layout.pp) for c in per_rank]
-            bounds = [pipeline_lower_bound(np.asarray(c) / 3, config.layout.pp) for c in per_rank]
+        layout = config.layout
+        if layout.pp > 1:
+            pipeline = {"vpp": layout.vpp}
+            times = [simulate_1f1b(np.asarray(c) / 3, layout.pp, group=layout.microbatch_group, **pipeline)
+                     for c in per_rank]  # fmt: skip
+            bounds = [pipeline_lower_bound(np.asarray(c) / 3, layout.pp, **pipeline) for c in per_rank]
         else:
             times, bounds = [sum(c) for c in per_rank], [0.0]
         self.predicted += max(times)

@@ -214,6 +214,24 @@ class StepPlanConfig:
         multiple = self.padding_rule.total_multiple if self.mode == "packing" else self.length_multiple
         return (budget * self.layout.cp) // multiple * multiple
 
+    @property
+    def count_multiple(self) -> int:
+        """The step's micro-batch count is a multiple of this: DP (every rank the same count), times the
+        interleaved schedule's group under vpp > 1 (`ParallelLayout.microbatch_multiple`)."""
+        return self.layout.dp * self.layout.microbatch_multiple
+
+    @property
+    def count_multiple_reason(self) -> str:
+        """What `count_multiple` gives, for error messages."""
+        layout = self.layout
+        if layout.vpp == 1:
+            return f"{layout.dp} data-parallel ranks the same number of micro-batches"
+        return (
+            f"{layout.dp} data-parallel ranks the same number of micro-batches, a multiple of "
+            f"microbatch_group_size_per_vp_stage={layout.microbatch_group} (the interleaved schedule at "
+            f"vpp={layout.vpp}),"
+        )
+
     def check_fits(
         self, lengths, *, forward_only: bool = False, key: str | None = None, fix: str = "split or drop them upstream"
     ) -> None:

@@ -194,7 +194,8 @@ def _assign_and_order(
 ) -> tuple[tuple[MicroBatchPlan, ...], ...]:
     """Micro-batches to DP ranks (equal counts, by `config.balance`, unless ``assignment`` gives them),
     each rank's in `microbatch_order`."""
-    assert len(micro) % config.layout.dp == 0, f"{len(micro)} micro-batches do not split over {config.layout.dp} ranks"
+    multiple = config.count_multiple
+    assert len(micro) % multiple == 0, f"{len(micro)} micro-batches: not a multiple of {multiple}"
     if assignment is None and config.balance == "round_robin":
         assignment = assign_round_robin(len(micro), config.layout.dp)
     elif assignment is None:
@@ -203,7 +204,8 @@ def _assign_and_order(
     per_rank = []
     for rank in assignment:
         chosen = [micro[k] for k in rank]
-        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order, config.layout.pp)
+        order = order_microbatches([mb.cost for mb in chosen], config.microbatch_order, config.layout.pp,
+                                   vpp=config.layout.vpp, group=config.layout.microbatch_group)  # fmt: skip
         per_rank.append(tuple(chosen[k] for k in order))
     return tuple(per_rank)
 
@@ -268,7 +270,8 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
     """Bins of units (a unit: one sample, or one group) and the units, as sample-index lists."""
     items = units if units is not None else [[i] for i in range(padded.size)]
     sizes = padded.copy() if units is None else _unit_sums(items, padded).astype(np.int64)
-    packer = get_packer(config.algorithm, capacity, bin_count_multiple=config.layout.dp, seed=0, refine=config.refine)
+    multiple = config.count_multiple  # DP, times the interleaved schedule's group
+    packer = get_packer(config.algorithm, capacity, bin_count_multiple=multiple, seed=0, refine=config.refine)
     unit_bins = packer.pack(sizes)
     if config.cost_budget is not None:
         costs = _unit_sums(items, model.sequence_cost(padded))
@@ -278,9 +281,9 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
         capped = cost_capped_first_fit(sizes, costs, capacity, cost_budget)
         # The cost cap evens out work; it cannot ask for more rows than there are samples to give every DP
         # rank the same count. Then the token-capped bins stand (the token cap is the hard limit).
-        if required_bin_count(len(capped), None, config.layout.dp) <= len(items):
+        if required_bin_count(len(capped), None, config.count_multiple) <= len(items):
             unit_bins = enforce_bin_count(
-                PackedBins.from_lists(capped), sizes, min_bin_count=None, bin_count_multiple=config.layout.dp
+                PackedBins.from_lists(capped), sizes, min_bin_count=None, bin_count_multiple=config.count_multiple
             ).to_lists()
     return unit_bins, items
 
@@ -324,7 +327,7 @@ def _plan_dynamic(lengths, padded, capacity, config, units=None):
         current.append(k)
         rows, width = r, w
     batches.append(current)
-    return _as_bins(_split_until_divisible(batches, [len(u) for u in units], config.layout.dp), units, padded)
+    return _as_bins(_split_until_divisible(batches, [len(u) for u in units], config), units, padded)
 
 
 def _plan_padded(lengths, padded, config):
@@ -332,27 +335,26 @@ def _plan_padded(lengths, padded, config):
     n = lengths.size
     batches = [list(range(lo, min(lo + config.padded_rows, n))) for lo in range(0, n, config.padded_rows)]
     units = [[i] for i in range(n)]
-    return _as_bins(_split_until_divisible(batches, [1] * n, config.layout.dp), units, padded)
+    return _as_bins(_split_until_divisible(batches, [1] * n, config), units, padded)
 
 
-def _split_until_divisible(batches: list[list[int]], rows: list[int], dp: int) -> list[list[int]]:
+def _split_until_divisible(batches: list[list[int]], rows: list[int], config: StepPlanConfig) -> list[list[int]]:
     """Split the micro-batches with the most rows (between units: ``rows[k]`` samples of unit ``k``) until
-    their count is a multiple of DP."""
-    need = -(-len(batches) // dp) * dp
+    their count is a multiple of `StepPlanConfig.count_multiple` (DP, times the interleaved group)."""
+    multiple, why = config.count_multiple, config.count_multiple_reason
+    need = -(-len(batches) // multiple) * multiple
     if len(rows) < need:
         what = "samples" if max(rows) == 1 else "groups"
         raise ValueError(
-            f"Cannot give {dp} data-parallel ranks the same number of micro-batches with only {len(rows)} "
-            f"{what} in the global batch (need at least {need})."
+            f"Cannot give {why} with only {len(rows)} {what} in the global batch (need at least {need})."
         )
     heap = [(-sum(rows[k] for k in b), i) for i, b in enumerate(batches) if len(b) > 1]
     heapq.heapify(heap)
-    while len(batches) % dp:
+    while len(batches) % multiple:
         if not heap:  # every micro-batch is one unit: splitting further would split a group
             raise ValueError(
-                f"Cannot give {dp} data-parallel ranks the same number of micro-batches without splitting a group "
-                f"({len(batches)} micro-batches of one group each); put more groups in the global batch, or lower "
-                "the budget so that they spread."
+                f"Cannot give {why} without splitting a group ({len(batches)} micro-batches of one group each); "
+                "put more groups in the global batch, or lower the budget so that they spread."
             )
         _, i = heapq.heappop(heap)
         b = batches[i]
