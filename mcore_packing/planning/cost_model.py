@@ -16,6 +16,13 @@ experts are loaded is a separate matter, reported by the trainer). Under context
 rank does ``1/cp`` of both parts (the load-balanced split makes attention work equal), so the per-rank
 cost is ``cost(s) / cp``.
 
+Context parallelism also moves data: each CP rank receives the keys and values of the other ranks'
+tokens (``(k - 1) / k`` of the row at CP ``k``, forward and twice in the backward) in ``k - 1``
+exchange steps per layer. `CostModel.cp_exchange` prices both, per micro-batch on one rank, from
+``cp_exchange_per_token`` and ``cp_exchange_per_step`` (0 in the FLOP model: a pure FLOP count sees no
+difference between CP sizes; `with_cp_exchange` derives them from the shape and an interconnect's FLOPs
+per byte and latency in FLOPs, for planning dynamic CP against static CP).
+
 `CostModel.calibrate` fits ``a``, ``b`` and a per-micro-batch constant to measured step times instead
 (non-negative least squares on the tokens, the sum of squared lengths and the micro-batch count of each
 measured step), for hardware where FLOPs are not time.
@@ -23,7 +30,7 @@ measured step), for hardware where FLOPs are not time.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -45,6 +52,8 @@ class CostModel:
     unit: str = "FLOP"
     per_microbatch: float = 0.0
     per_sequence: float = 0.0
+    cp_exchange_per_token: float = 0.0
+    cp_exchange_per_step: float = 0.0
 
     @classmethod
     def from_shape(cls, shape: ModelShape, *, training: bool = True) -> CostModel:
@@ -61,6 +70,26 @@ class CostModel:
         """Cost of each sequence on one CP rank."""
         s = np.asarray(lengths, dtype=np.float64)
         return (self.linear * s + self.quadratic * s * s) / cp_size + self.per_sequence
+
+    def cp_exchange(self, row_tokens, cp_size: int) -> float:
+        """Per-rank cost of a micro-batch's CP exchange: the ``(k - 1) / k`` of its row's tokens whose keys
+        and values each rank receives, and ``k - 1`` exchange steps; 0 at ``cp_size = 1``."""
+        if cp_size <= 1:
+            return 0.0
+        share = (cp_size - 1) / cp_size * float(row_tokens)
+        return share * self.cp_exchange_per_token + (cp_size - 1) * self.cp_exchange_per_step
+
+    def with_cp_exchange(self, shape: ModelShape, *, flops_per_byte: float, step_latency_flops: float,
+                         bytes_per_element: int = 2) -> CostModel:  # fmt: skip
+        """This model plus the CP exchange of ``shape``: per layer a token's keys and values
+        (``2 * kv_heads * head_size`` elements) move once forward and twice backward (the gradients of
+        keys and values come back), each byte worth ``flops_per_byte`` (peak FLOP/s over link bytes/s);
+        each of the three passes per layer pays ``step_latency_flops`` per exchange step (the link's
+        latency in FLOPs)."""
+        kv_bytes = 2 * shape.kv_heads * shape.head_size * bytes_per_element
+        per_token = 3.0 * shape.num_layers * kv_bytes * flops_per_byte
+        return replace(self, cp_exchange_per_token=per_token,
+                       cp_exchange_per_step=3.0 * shape.num_layers * step_latency_flops)  # fmt: skip
 
     def attention_share(self, lengths) -> float:
         """Fraction of the total cost that is attention's quadratic part."""

@@ -221,27 +221,30 @@ def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: Co
     """Real tokens and predicted cost of every micro-batch at once; equal to `micro_batch_cost` per bin."""
     flat, bin_id, last = _flat(bins)
     real = np.bincount(bin_id, weights=lengths[flat], minlength=len(bins))
+    cp = config.layout.cp
+    exchange = np.array([model.cp_exchange(rows * width, cp) for rows, width in shapes], dtype=np.float64)
     if config.mode != "packing":
         rows, widths = np.array(shapes, dtype=np.float64).T
-        return real, rows * model.sequence_cost(widths, config.layout.cp) + model.per_microbatch
-    cost = np.bincount(bin_id, weights=model.sequence_cost(padded[flat], config.layout.cp), minlength=len(bins))
+        return real, rows * model.sequence_cost(widths, cp) + model.per_microbatch + exchange
+    cost = np.bincount(bin_id, weights=model.sequence_cost(padded[flat], cp), minlength=len(bins))
     spans = np.bincount(bin_id, weights=padded[flat], minlength=len(bins))
     tail = padded[flat[last]].astype(np.float64)
     extra = np.array([row for _, row in shapes], dtype=np.float64) - spans  # row padding sits in the last span
-    cost += model.sequence_cost(tail + extra, config.layout.cp) - model.sequence_cost(tail, config.layout.cp)
-    return real, cost + model.per_microbatch
+    cost += model.sequence_cost(tail + extra, cp) - model.sequence_cost(tail, cp)
+    return real, cost + model.per_microbatch + exchange
 
 
 def micro_batch_cost(padded_lengths, shape: tuple[int, int], mode: str, cp_size: int, model: CostModel) -> float:
     """Predicted cost of one micro-batch on one CP rank: attention per sequence in packing mode (the row's
     padding counts as part of its last span), ``rows`` sequences of the padded width otherwise; plus the
-    model's per-micro-batch constant."""
+    model's per-micro-batch constant and the CP exchange (`CostModel.cp_exchange`)."""
+    exchange = model.cp_exchange(shape[0] * shape[1], cp_size)
     if mode == "packing":
         spans = np.asarray(padded_lengths, dtype=np.float64).copy()
         spans[-1] += shape[1] - spans.sum()
-        return float(model.sequence_cost(spans, cp_size).sum()) + model.per_microbatch
+        return float(model.sequence_cost(spans, cp_size).sum()) + model.per_microbatch + exchange
     rows, width = shape
-    return rows * float(model.sequence_cost([width], cp_size)[0]) + model.per_microbatch
+    return rows * float(model.sequence_cost([width], cp_size)[0]) + model.per_microbatch + exchange
 
 
 def _units(groups, lengths: np.ndarray, config: StepPlanConfig, forward_only: bool) -> list[list[int]] | None:
