@@ -145,3 +145,13 @@ def test_fp8_padding_aligns_every_rank_and_saves_tokens(tmp_path):
     assert len(rows) == 6 and all(r["per_row_aligned"] for r in rows)
     assert all(r["padding_none"] <= r["padding_per_row"] < r["padding_per_sequence"] for r in rows)
     assert not all(r["per_sequence_aligned"] for r in rows)  # the former rule misaligns under TP + SP
+
+
+def test_dynamic_cp_small(tmp_path):
+    out = tmp_path / "dcp.json"
+    proc = run("benchmarks/dynamic_cp.py", "--ranks", "8", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    flops_only = [r["static_over_dynamic"] for r in rows if r["link"] == "flops only"]
+    with_exchange = [r["static_over_dynamic"] for r in rows if r["link"] != "flops only"]
+    assert all(0.95 < r < 1.05 for r in flops_only) and all(r > 1.0 for r in with_exchange), rows
