@@ -10,6 +10,7 @@ batch builder, attention, loss and driver, through Megatron's real schedules and
 
 from __future__ import annotations
 
+import contextlib
 import re
 from functools import partial
 
@@ -590,3 +591,68 @@ def lazy_store_worker(rank, world_size, store):
         from_list = forward_backward(ddp, listed, plan, pgs, loss=nll_loss("token_mean"), device="cpu").loss
     own = sorted(i for mb in plan.for_rank(pgs.dp_rank) for i in mb.sample_indices)
     return {"read": sorted(read), "own": own, "store_loss": from_store, "list_loss": from_list, "n": len(opened)}
+
+
+class _ReversedRank:
+    """A CP group's size with the rank mirrored (k - 1 - p): a negative control for RoPE's positions."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def size(self):
+        return self.group.size()
+
+    def rank(self):
+        return self.group.size() - 1 - self.group.rank()
+
+
+def _reversed_rope(real_rope, chunk, group):
+    return real_rope(chunk, _ReversedRank(group))
+
+
+def dynamic_cp_worker(rank, world_size, configs, samples, state_dict):
+    """Dynamic CP steps (dicts with cp, max_tokens_per_rank, normalization, negative): the planner's rows on
+    CP sub-groups through Megatron's schedule; rank 0 returns each config's loss, grads and CP sizes."""
+    from megatron.core import parallel_state as ps
+
+    import mcore_packing.megatron.dynamic_cp as dynamic
+    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, nll_loss
+    from mcore_packing.planning import ParallelLayout
+    from mcore_packing.planning.dynamic_cp import DynamicCPConfig, plan_dynamic_cp
+    from mcore_packing.thd import SequenceSample
+
+    seq_samples = [SequenceSample(s["tokens"], s["loss_mask"]) for s in samples]
+    lengths = [len(s["tokens"]) for s in samples]
+    results = []
+    for cfg in configs:
+        cp = cfg["cp"]
+        _init(1, 1, cp)
+        real_rope = dynamic.rope_cp_group
+        if cfg.get("negative") == "rope_from_run_group":  # RoPE places positions by the run's CP group
+            dynamic.rope_cp_group = lambda chunk, group: contextlib.nullcontext()
+        if cfg.get("negative") == "rope_rank_reversed":  # RoPE places rank p's chunks as rank k-1-p's
+            dynamic.rope_cp_group = partial(_reversed_rope, real_rope)
+        try:
+            with cpu_device_adapter():
+                config = model_config(cp=cp, per_token_loss=cfg.get("per_token_loss", False))
+                module = build_stage(config)
+                load_sharded(module, state_dict, 0, 1, 0)
+                ddp = wrap_in_ddp(config, module)
+                pgs = ProcessGroups.from_megatron()
+                groups = dynamic.DynamicCPGroups.create(pgs, max_cp=cp)
+                layout = ParallelLayout(dp=world_size // cp, cp=cp)
+                plan = plan_dynamic_cp(lengths, DynamicCPConfig(max_tokens_per_rank=cfg["max_tokens_per_rank"],
+                                                                layout=layout))  # fmt: skip
+                nll = nll_loss(cfg.get("normalization", "token_mean"))
+                step = dynamic.forward_backward_dynamic_cp
+                result = step(ddp, seq_samples, plan, pgs, groups, loss=nll, device="cpu")
+                grads = collect_full_grads(ddp, 0)
+        finally:
+            dynamic.rope_cp_group = real_rope
+        mine = grads if rank == 0 else {}
+        merged, losses, _ = gather_results(world_size, mine, result.loss)
+        results.append({"config": cfg, "loss": losses[0], "all_losses_equal": len(set(losses)) == 1,
+                        "grads": merged, "cp_sizes": plan.cp_size_counts(),
+                        "num_microbatches": result.num_microbatches})  # fmt: skip
+        ps.destroy_model_parallel()
+    return results if rank == 0 else None

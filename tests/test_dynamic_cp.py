@@ -129,3 +129,43 @@ def test_the_exchange_cost_is_what_the_cost_model_says():
     derived = CostModel(linear=1.0, quadratic=0.0).with_cp_exchange(shape, flops_per_byte=10.0, step_latency_flops=7.0)
     assert derived.cp_exchange_per_token == pytest.approx(3 * 2 * (2 * 2 * 16 * 2) * 10.0)  # 3 passes, 2 layers
     assert derived.cp_exchange_per_step == pytest.approx(3 * 2 * 7.0)
+
+
+# ---------------------------------------------------------------- the step on real gloo ranks
+
+
+@pytest.fixture(scope="module")
+def reference():
+    from .distributed_harness import run_distributed
+    from .test_step_equivalence import SAMPLES
+
+    return run_distributed("tests.step_workers:reference_worker", 1, samples=SAMPLES)[0]
+
+
+STEPS = [
+    {"cp": 4, "max_tokens_per_rank": 16},  # CP4 over 4 ranks: sequences of CP size 1, 2 and 4 in one step
+    {"cp": 2, "max_tokens_per_rank": 24, "normalization": "sequence_mean"},  # DP2 x CP2: sizes 1 and 2
+    {"cp": 4, "max_tokens_per_rank": 16, "negative": "rope_rank_reversed"},  # RoPE of the mirrored rank
+]
+
+
+@pytest.mark.multirank
+def test_dynamic_cp_steps_match_the_unpacked_reference(reference):
+    """Each row on its own CP sub-group (K/V gathered over it, RoPE placed by it, the 2k-chunk split),
+    gradients reduced over DP x CP once, the loss normalized over the global batch: loss <= 1e-6 and
+    gradients <= 1e-5 against one sequence per forward in one process. The negative control places
+    RoPE positions as the mirrored rank of the same sub-group would: the gradients move far off."""
+    from .distributed_harness import run_distributed
+    from .test_step_equivalence import SAMPLES, errors
+
+    results = run_distributed("tests.step_workers:dynamic_cp_worker", 4, configs=STEPS, samples=SAMPLES,
+                              state_dict=reference["state_dict"], timeout=600)[0]  # fmt: skip
+    for result in results:
+        loss_err, grad_err = errors(result, reference)
+        assert result["all_losses_equal"]
+        if result["config"].get("negative"):
+            assert grad_err > 1e-3, (loss_err, grad_err)
+            continue
+        assert loss_err <= 1e-6 and grad_err <= 1e-5, (result["config"], loss_err, grad_err)
+        used = {k for k, n in result["cp_sizes"].items() if n}
+        assert used == ({1, 2, 4} if result["config"]["cp"] == 4 else {1, 2}), result["cp_sizes"]

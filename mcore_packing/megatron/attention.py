@@ -132,7 +132,11 @@ class PackedCoreAttention(MegatronModule):
 
     def _thd(self, q, k, v, params) -> torch.Tensor:
         layout = thd_layout(params)
-        if self.cp_size == 1:
+        # The micro-batch's CP group (`to_packed_seq_params` sets it: the run's, or under dynamic CP the
+        # row's sub-group), else the one this module was built with.
+        group = getattr(params, "cp_group", None) or self.cp_group
+        cp_size = group.size() if group is not None else 1
+        if cp_size == 1:
             if self._use_varlen(q):
                 return self._thd_varlen(q, k, v, params, layout)
             out = torch.zeros_like(q)
@@ -142,25 +146,26 @@ class PackedCoreAttention(MegatronModule):
                 s = slice(start, start + n)
                 out[s] = self._sdpa(q[s], k[s], v[s], causal=True)
             return out
-        return self._thd_context_parallel(q, k, v, layout)
+        return self._thd_context_parallel(q, k, v, layout, group)
 
     def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         cu = cu.to(device=q.device, dtype=torch.int32)
         return varlen_attention(q, k, v, cu, max(layout.padded_lengths), scale=self._scale(q.shape[-1]))
 
-    def _gather_kv(self, k, v, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """All-gather local K/V over CP and reorder to packed order with ``index`` (the inverse split)."""
+    def _gather_kv(self, k, v, index: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """All-gather local K/V over CP (``group``, default this module's) and reorder to packed order with
+        ``index`` (the inverse split)."""
         kv = torch.cat([k, v], dim=-1)
-        full = all_gather_cat(kv, self.cp_group)[index]
+        full = all_gather_cat(kv, group if group is not None else self.cp_group)[index]
         return full[..., : k.shape[-1]], full[..., k.shape[-1] :]
 
-    def _thd_context_parallel(self, q, k, v, layout: ThdLayout) -> torch.Tensor:
-        cp, rank = self.cp_size, self.cp_rank
+    def _thd_context_parallel(self, q, k, v, layout: ThdLayout, group) -> torch.Tensor:
+        cp, rank = group.size(), group.rank()
         # Zero-length sequences (fixed-shape rows) hold no token: the split and the loop skip them.
         spans = [(start, span) for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True) if span]
         cu = [0, *[a + b for a, b in spans]]
-        k_full, v_full = self._gather_kv(k, v, thd_inverse_order(cu, layout.total, cp).to(q.device))
+        k_full, v_full = self._gather_kv(k, v, thd_inverse_order(cu, layout.total, cp).to(q.device), group)
         out = torch.empty_like(q)
         local = 0
         for start, span in spans:

@@ -13,6 +13,10 @@ megatron-core versions it applies to and pinned by a test.
   'step', and one step tensor shared by every parameter. `TORCH_ADAM_LOAD.versions`; its call sites are
   pinned by source hash (tests/test_patches.py).
 
+- `rope_cp_group`: Megatron applies THD RoPE with the run's CP group; under dynamic CP the micro-batch's
+  sub-group must place the positions. `rope_cp_group(model_chunk, group)` swaps it in for one forward.
+  Pinned by source hash (tests/test_patches.py).
+
 `Patch` records what a patch touches (``module:qualname`` of each Megatron function it wraps or whose
 behaviour it depends on) and the source hash of each, per megatron-core version it was verified on.
 `tests/test_patches.py` fails when the installed megatron-core is in a patch's range but has no verified
@@ -28,7 +32,7 @@ from dataclasses import dataclass, field
 
 from ...compat import megatron_core_version
 
-__all__ = ["MOE_WITHOUT_TE", "PATCHES", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
+__all__ = ["MOE_WITHOUT_TE", "PATCHES", "ROPE_CP_GROUP", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -98,5 +102,7 @@ MOE_WITHOUT_TE = Patch(
     },
 )  # fmt: skip
 
-PATCHES = (TORCH_ADAM_LOAD, MOE_WITHOUT_TE)
+from .rope_cp_group import ROPE_CP_GROUP  # noqa: E402  (it imports Patch from here)
+
+PATCHES = (TORCH_ADAM_LOAD, MOE_WITHOUT_TE, ROPE_CP_GROUP)
 """The patches with pinned call sites (the CPU adapter pins its call sites through the tests that run it)."""
