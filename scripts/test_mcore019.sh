@@ -24,4 +24,5 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   "tests/test_interleaved.py::test_pp2_vpp2_packed_and_dynamic_match_the_unpacked_reference" \
   "tests/test_interleaved.py::test_batched_p2p_at_pp2_breaks_the_interleaved_step" \
   "tests/test_interleaved.py::test_the_trainer_at_pp2_vpp2_continues_pp1_runs_through_checkpoints" \
+  "tests/test_dynamic_cp.py::test_dynamic_cp_steps_match_the_unpacked_reference" \
   "$@"

@@ -8,6 +8,7 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
 - `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`,
   `build_gpt_chunks` (a stage's chunks under a virtual pipeline).
+- `dynamic_cp`: `DynamicCPGroups`, `forward_backward_dynamic_cp` (each planned row on its CP sub-group).
 - `_patches`: every change to megatron-core's or torch's behaviour, each tied to the megatron-core versions
   it applies to: `cpu_device_adapter()` (Megatron's hard-coded CUDA call sites redirected on CPU), the
   distributed optimizer's torch-Adam load repairs.
