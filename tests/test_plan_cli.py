@@ -107,6 +107,26 @@ def test_dynamic_mode_and_budget_recommendation(capsys):
     assert budget["recommended_train_mb_tokens"] in [c["train_mb_tokens"] for c in budget["candidates"]]
 
 
+def test_dynamic_cp_report_counts_every_sequence_once(tmp_path, capsys):
+    """--dynamic-cp: sequences per CP size add up to the data set, the long ones need CP > 1, the short ones
+    run at CP 1; the PNG is written with them; a layout without CP is refused."""
+    lengths = tmp_path / "lengths.txt"
+    values = [100] * 60 + [900] * 6 + [1900] * 2
+    lengths.write_text("\n".join(map(str, values)))
+    code, out, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--mb-tokens", "512",
+                       "--global-batch-size", "0", "--dynamic-cp", "--json", "--no-recommend")  # fmt: skip
+    assert code == 0
+    dynamic = json.loads(out)["dynamic_cp"]
+    assert dynamic["cp_sizes"] == {"1": 60, "2": 6, "4": 2}
+    assert dynamic["static_over_dynamic"] > 0
+    png = tmp_path / "plan.png"
+    code, out, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--mb-tokens", "512",
+                       "--global-batch-size", "0", "--dynamic-cp", "--png", str(png), "--no-recommend")  # fmt: skip
+    assert code == 0 and "sequences per size CP 1: 60, CP 2: 6, CP 4: 2" in out and png.exists()
+    code, _, err = run(capsys, "--lengths", str(lengths), "--mb-tokens", "4096", "--dynamic-cp", "--no-png")
+    assert code == 2 and "--dynamic-cp plans packed rows of single samples at --cp > 1" in err
+
+
 def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
     from mcore_packing.data.real_text import get_tokenizer
 

@@ -51,6 +51,7 @@ from ..planning import (
     recommend_budget,
     summarize,
 )
+from ..planning.report import summarize_dynamic_cp
 from .config import ConfigError, TrainConfig, check_shape_on_layout, plan_config, validate_layout
 from .recipes import RECIPES
 
@@ -103,7 +104,8 @@ def _parse_int(token: str, index: int, path: str) -> int:
         raise PlanInputError(f"{path!r}: entry {index} = {token!r} is not an integer length.") from None
 
 
-def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanConfig, source: str) -> None:
+def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanConfig, source: str,
+              dynamic: dict | None = None) -> None:  # fmt: skip
     """One figure: length histogram, micro-batch fill, per-rank load, useful-token share per layout."""
     try:
         import matplotlib
@@ -118,6 +120,10 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     ax.set_yscale("log")
     ax.axvline(config.row_capacity(), color="k", ls="--", lw=1, label="row capacity")
     ax.set(title=f"sequence lengths ({source}, n={lengths.size:,})", xlabel="tokens", ylabel="sequences (log)")
+    if dynamic is not None:  # the CP sizes dynamic CP gives these sequences
+        used = "\n".join(f"CP {k}: {n:,}" for k, n in dynamic["cp_sizes"].items())
+        ax.text(0.98, 0.6, f"dynamic CP\n{used}\nstatic/dynamic {dynamic['static_over_dynamic']:.3f}",
+                transform=ax.transAxes, ha="right", va="top", fontsize=9)  # fmt: skip
     ax.legend()
     ax = axes[0, 1]
     ax.hist(summary["_fills"], bins=40, range=(0, 1), color="#55A868")
@@ -233,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-recipe", choices=sorted(FP8_ROW_ALIGNMENT),
                    help="model.fp8_recipe: pad each row so every rank's share suits FP8 GEMMs")  # fmt: skip
     p.add_argument("--order", choices=ORDERS, help="sequence_packing.microbatch_order")
+    p.add_argument("--dynamic-cp", action="store_true",
+                   help="also plan dynamic context parallelism (each sequence on the CP size it needs, up to --cp, "
+                   "--mb-tokens per rank) and compare its predicted step time with static CP")  # fmt: skip
     p.add_argument("--balance", choices=BALANCES, help="training.balance: how micro-batches go to DP ranks")
     recipes = ", ".join(sorted(RECIPES))
     p.add_argument("--recipe", help=f"start from a recipe of mcore_packing.app.recipes: {recipes}")
@@ -342,14 +351,31 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
                             groups=groups)  # fmt: skip
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
+    dynamic = _dynamic_cp(args, lengths, config, gbs, sizes, groups)
     if args.png and not args.no_png:
-        write_png(args.png, lengths, summary, config, source)
+        write_png(args.png, lengths, summary, config, source, dynamic)
     doc = _document(args, cfg, source, lengths, config, shape, summary, cuts)
+    doc["dynamic_cp"] = dynamic
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
         _print_text(doc)
     return 0
+
+
+def _dynamic_cp(args, lengths, config: StepPlanConfig, gbs: int, sizes, groups) -> dict | None:
+    """`summarize_dynamic_cp` when --dynamic-cp is given (packing, CP > 1, no groups), else None."""
+    if not args.dynamic_cp:
+        return None
+    if config.mode != "packing" or config.layout.cp == 1 or groups is not None:
+        raise PlanInputError(
+            "--dynamic-cp plans packed rows of single samples at --cp > 1: use --mode packing, --cp 2 or more, "
+            "and SFT data (DPO pairs and GRPO groups are not planned for it)."
+        )
+    try:
+        return summarize_dynamic_cp(lengths, config, global_batch_size=gbs, batch_sizes=sizes)
+    except ValueError as exc:
+        raise PlanInputError(str(exc)) from None
 
 
 def _other_lengths(args, cfg: TrainConfig, world: int):
@@ -513,8 +539,19 @@ def _print_text(doc: dict) -> None:
             f"  budget: recommend train_mb_tokens={b['recommended_train_mb_tokens']}, the smallest within 1 point "
             f"of the best {b['criterion']} tried: {tried}"
         )
+    if doc.get("dynamic_cp"):
+        _print_dynamic_cp(doc["dynamic_cp"], c)
     if doc["png"]:
         print(f"wrote {doc['png']}")
+
+
+def _print_dynamic_cp(d: dict, c: dict) -> None:
+    used = ", ".join(f"CP {k}: {n:,}" for k, n in d["cp_sizes"].items())
+    print(
+        f"  dynamic CP (up to cp={c['cp']}, {c['train_mb_tokens']} tokens per rank): sequences per size {used}; "
+        f"{d['micro_batches_per_rank_per_step']:.1f} micro-batches per rank per step; predicted static / dynamic "
+        f"step time {d['static_over_dynamic']:.3f}"
+    )
 
 
 def _count_rule(c: dict) -> str:

@@ -25,7 +25,7 @@ from .pipeline import pipeline_lower_bound, simulate_1f1b
 from .step_config import StepPlanConfig
 from .step_plan import plan_step
 
-__all__ = ["recommend_budget", "summarize"]
+__all__ = ["recommend_budget", "summarize", "summarize_dynamic_cp"]
 
 
 @dataclass
@@ -236,3 +236,36 @@ def recommend_budget(
     best = max(r["score"] for r in rows)
     pick = next(r for r in rows if r["score"] >= best - 0.01)
     return {"recommended_train_mb_tokens": pick["train_mb_tokens"], "criterion": key, "candidates": rows}
+
+
+def summarize_dynamic_cp(
+    lengths, config: StepPlanConfig, *, global_batch_size: int, batch_sizes: Sequence[int] | None = None
+) -> dict:
+    """Dynamic CP (`dynamic_cp.plan_dynamic_cp`, ``max_tokens_per_rank = config.train_mb_tokens``) on the
+    same batches as `summarize`, against ``config``'s static CP plan with the same cost model: sequences
+    per CP size, micro-batches per rank per step, and the predicted step time of both (summed over steps)."""
+    from .dynamic_cp import DynamicCPConfig, plan_dynamic_cp
+
+    lengths = np.asarray(lengths, dtype=np.int64)
+    dynamic_config = DynamicCPConfig(max_tokens_per_rank=config.train_mb_tokens, layout=config.layout,
+                                     sequence_length_round=config.sequence_length_round,
+                                     cost_model=config.cost_model)  # fmt: skip
+    sizes = {k: 0 for k in dynamic_config.sizes}
+    static = dynamic = 0.0
+    micro = 0
+    bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
+    for lo, hi in bounds:
+        plan = plan_dynamic_cp(lengths[lo:hi], dynamic_config)
+        for k, n in plan.cp_size_counts().items():
+            sizes[k] += n
+        dynamic += plan.predicted_step_time
+        micro += plan.num_microbatches
+        static_plan = plan_step(lengths[lo:hi], config)
+        static += max(sum(mb.cost for mb in rank) for rank in static_plan.micro_batches)
+    return {
+        "cp_sizes": sizes,
+        "micro_batches_per_rank_per_step": micro / len(bounds),
+        "predicted_step_cost": dynamic / len(bounds),
+        "static_predicted_step_cost": static / len(bounds),
+        "static_over_dynamic": static / dynamic if dynamic else 1.0,
+    }
