@@ -25,8 +25,8 @@ from _report import run_config, write_results
 
 from mcore_packing.app.plan_command import DEFAULT_SHAPE
 from mcore_packing.data import real_corpus_lengths
-from mcore_packing.planning import CostModel, ModelShape, ParallelLayout, StepPlanConfig, plan_step
-from mcore_packing.planning.dynamic_cp import DynamicCPConfig, plan_dynamic_cp
+from mcore_packing.planning import CostModel, ModelShape, ParallelLayout, StepPlanConfig
+from mcore_packing.planning.report import summarize_dynamic_cp
 
 SHAPES = {
     "llama3-8b": DEFAULT_SHAPE,
@@ -56,12 +56,9 @@ def workloads() -> dict:
     }
 
 
-def step_times(lengths: np.ndarray, ranks: int, budget: int, model: CostModel) -> tuple[float, float, dict]:
-    layout = ParallelLayout(cp=CP, dp=ranks // CP)
-    dynamic = plan_dynamic_cp(lengths, DynamicCPConfig(max_tokens_per_rank=budget, layout=layout, cost_model=model))
-    static = plan_step(lengths, StepPlanConfig(train_mb_tokens=budget, layout=layout, cost_model=model))
-    static_time = max(sum(mb.cost for mb in rank) for rank in static.micro_batches)
-    return static_time, dynamic.predicted_step_time, dynamic.cp_size_counts()
+def batches(draw, ranks: int) -> np.ndarray:
+    """The run's STEPS global batches of ``ranks * PER_RANK`` samples, one after the other."""
+    return np.concatenate([draw(ranks * PER_RANK, 1000 * ranks + step) for step in range(STEPS)])
 
 
 def main(argv=None) -> int:
@@ -71,24 +68,22 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="benchmarks/results/dynamic_cp.json")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
     args = parser.parse_args(argv)
-    config = run_config(args, cp=CP, steps=STEPS, samples_per_rank=PER_RANK, links=LINKS)
+    run = run_config(args, cp=CP, steps=STEPS, samples_per_rank=PER_RANK, links=LINKS)
     rows = []
     for workload, (draw, budget) in workloads().items():
         for shape_name, shape in SHAPES.items():
             for link, constants in LINKS.items():
                 model = CostModel.from_shape(shape).with_cp_exchange(shape, **constants)
                 for ranks in args.ranks:
-                    static = dynamic = 0.0
-                    sizes = {}
-                    for step in range(STEPS):
-                        s, d, counts = step_times(draw(ranks * PER_RANK, 1000 * ranks + step), ranks, budget, model)
-                        static, dynamic = static + s, dynamic + d
-                        sizes = {k: sizes.get(k, 0) + v for k, v in counts.items()}
+                    layout = ParallelLayout(cp=CP, dp=ranks // CP)
+                    config = StepPlanConfig(train_mb_tokens=budget, layout=layout, cost_model=model)
+                    s = summarize_dynamic_cp(batches(draw, ranks), config, global_batch_size=ranks * PER_RANK)
+                    ratio, sizes = s["static_over_dynamic"], s["cp_sizes"]
                     rows.append({"workload": workload, "model": shape_name, "link": link, "ranks": ranks,
-                                 "static_over_dynamic": static / dynamic, "cp_sizes": sizes})  # fmt: skip
+                                 "static_over_dynamic": ratio, "cp_sizes": sizes})  # fmt: skip
                     print(f"{workload:<42} {shape_name:<12} {link:<26} {ranks:>3} ranks: static / dynamic predicted "
-                          f"step time {static / dynamic:.3f}  (sequences per CP size {sizes})", flush=True)  # fmt: skip
-    write_results(args.out, config, rows)
+                          f"step time {ratio:.3f}  (sequences per CP size {sizes})", flush=True)  # fmt: skip
+    write_results(args.out, run, rows)
     return 0
 
 

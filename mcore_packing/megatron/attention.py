@@ -134,7 +134,8 @@ class PackedCoreAttention(MegatronModule):
         layout = thd_layout(params)
         # The micro-batch's CP group (`to_packed_seq_params` sets it: the run's, or under dynamic CP the
         # row's sub-group), else the one this module was built with.
-        group = getattr(params, "cp_group", None) or self.cp_group
+        group = getattr(params, "cp_group", None)
+        group = self.cp_group if group is None else group
         cp_size = group.size() if group is not None else 1
         if cp_size == 1:
             if self._use_varlen(q):

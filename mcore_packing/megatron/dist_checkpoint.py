@@ -71,9 +71,7 @@ def _model_state(model) -> dict:
     a virtual pipeline (Megatron-LM's keys). Only the nesting differs: every tensor is saved under its
     global name (chunks map layers by their global numbers), so a checkpoint written at one vpp loads at
     another."""
-    if not isinstance(model, list):
-        return {"model": _unwrap(model).sharded_state_dict()}
-    return {f"model{i}": _unwrap(chunk).sharded_state_dict() for i, chunk in enumerate(model)}
+    return {key: _unwrap(chunk).sharded_state_dict() for key, chunk in _chunks_by_key(model).items()}
 
 
 def _sharded_state(model, optimizer, *, with_rng: bool, loading: bool) -> dict:
@@ -109,7 +107,7 @@ def load_training_state(directory: str | os.PathLike, model, optimizer, *, resto
     state = dist_checkpointing.load(
         _sharded_state(model, optimizer, with_rng=restore_rng, loading=True), str(directory)
     )
-    for chunk, key in zip(model if isinstance(model, list) else [model], _model_state_keys(model), strict=True):
+    for key, chunk in _chunks_by_key(model).items():
         _unwrap(chunk).load_state_dict(state[key])
     if optimizer is not None:
         with torch_adam_load.repaired(optimizer):
@@ -122,5 +120,6 @@ def load_training_state(directory: str | os.PathLike, model, optimizer, *, resto
             torch.cuda.set_rng_state(rng["cuda"])
 
 
-def _model_state_keys(model) -> list[str]:
-    return [f"model{i}" for i in range(len(model))] if isinstance(model, list) else ["model"]
+def _chunks_by_key(model) -> dict:
+    """Each model chunk under its checkpoint key: ``model``, or ``model0``, ``model1``, ... for a chunk list."""
+    return {f"model{i}": chunk for i, chunk in enumerate(model)} if isinstance(model, list) else {"model": model}

@@ -33,9 +33,9 @@ from ..planning.step_config import StepPlanConfig
 from ..planning.step_plan import MicroBatchPlan, StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from ._patches.rope_cp_group import rope_cp_group
-from .prepare import prepare_micro_batch
+from .prepare import prepare_micro_batch, target_count
 from .process_groups import ProcessGroups, group_rank, group_size
-from .schedule import StepResult, _step_loss
+from .schedule import StepResult, _check_samples, _device, _step_loss
 from .step_loss import SequenceMeanNLL, StepLoss, TokenMeanNLL
 
 __all__ = ["DynamicCPGroups", "forward_backward_dynamic_cp"]
@@ -82,15 +82,15 @@ def forward_backward_dynamic_cp(
     ``plan.config.layout.cp``."""
     loss = TokenMeanNLL() if loss is None else loss
     _check(model, samples, plan, process_groups, groups, loss)
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    device = _device(device)
     totals = _totals(samples)
     mine = plan.for_rank(groups.rank)
     prepared = [_prepare_row(row, samples, plan, process_groups, groups, loss, totals, device) for row in mine]
     per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
 
-    def loss_func(prep, output: torch.Tensor):
+    def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
         return megatron_loss_output(
-            loss.micro_batch_sum(prep, output, prep.row_groups, totals),
+            loss.micro_batch_sum(prep, output, row_groups, totals),
             local_valid_tokens=prep.local_valid_tokens,
             totals=totals,
             dp_size=process_groups.dp_size,
@@ -119,9 +119,7 @@ def _check(model, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, g
             f"the plan is for {plan.config.num_ranks} DP x CP ranks but this run has "
             f"{group_size(process_groups.dp_cp)}; plan with the run's layout (dp x cp)."
         )
-    planned = len(samples) == len(plan.lengths)
-    if not planned or any(len(s.tokens) != n for s, n in zip(samples, plan.lengths, strict=True)):
-        raise ValueError("the samples are not the planned ones: plan the same global batch on every rank.")
+    _check_samples(samples, plan)
     if not isinstance(loss, (TokenMeanNLL, SequenceMeanNLL)):
         raise ValueError(
             f"dynamic CP takes TokenMeanNLL or SequenceMeanNLL, got {type(loss).__name__}: the per-sample and "
@@ -130,19 +128,16 @@ def _check(model, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, g
 
 
 def _totals(samples: Sequence[SequenceSample]) -> StepTotals:
-    """The global batch's learned target tokens and sequences with a target (every rank holds the batch)."""
-    tokens = sequences = 0
-    for s in samples:
-        n = len(s.tokens)
-        mask = torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.float32)
-        valid = int(mask.reshape(-1)[1:].sum().item())
-        tokens, sequences = tokens + valid, sequences + (valid > 0)
-    return StepTotals(num_tokens=tokens, num_sequences=sequences)
+    """The global batch's learned target tokens and sequences with a target, counted from the samples
+    (every rank holds the batch: nothing to all-reduce; a batch with no target is refused as in a static step)."""
+    counts = [target_count(s) for s in samples]
+    return StepTotals.all_reduce(sum(counts), sum(n > 0 for n in counts), 0, None)
 
 
 def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups, groups: DynamicCPGroups, loss, totals,
                  device):  # fmt: skip
-    """The row as a static micro-batch of CP ``row.cp_size`` whose CP group is the row's sub-group."""
+    """The row as a static micro-batch of CP ``row.cp_size`` whose CP group is the row's sub-group: the
+    prepared micro-batch and the row's process groups."""
     cfg = plan.config
     layout = ParallelLayout(cp=row.cp_size, tp=cfg.layout.tp, sequence_parallel=cfg.layout.sequence_parallel)
     row_config = StepPlanConfig(mode="packing", train_mb_tokens=cfg.max_tokens_per_rank, layout=layout,
@@ -155,17 +150,7 @@ def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups, group
     row_groups = ProcessGroups(collection)
     prep = prepare_micro_batch(mb, samples, row_plan, row_groups, totals=totals, normalization=loss.token_weights,
                                device=device)  # fmt: skip
-    return _Row(prep, row_groups)
-
-
-class _Row:
-    """A prepared micro-batch and the process groups of its row (the sub-group as ``cp``)."""
-
-    def __init__(self, prep, row_groups: ProcessGroups):
-        self.prep, self.row_groups = prep, row_groups
-
-    def __getattr__(self, name):
-        return getattr(self.prep, name)
+    return prep, row_groups
 
 
 def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, forward_only: bool):
@@ -173,11 +158,11 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model_chunk):
-        row = next(data_iterator)
-        with rope_cp_group(model_chunk, row.row_groups.cp):
-            output = model_chunk(row.tokens, row.position_ids, None, labels=row.labels,
-                                 packed_seq_params=row.packed_seq_params)  # fmt: skip
-        return output, partial(loss_func, row)
+        prep, row_groups = next(data_iterator)
+        with rope_cp_group(model_chunk, row_groups.cp):
+            output = model_chunk(prep.tokens, prep.position_ids, None, labels=prep.labels,
+                                 packed_seq_params=prep.packed_seq_params)  # fmt: skip
+        return output, partial(loss_func, prep, row_groups)
 
     chunk = model[0] if isinstance(model, list) else model
     return get_forward_backward_func()(
@@ -185,7 +170,7 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
         data_iterator=iter(prepared),
         model=[chunk],
         num_microbatches=len(prepared),
-        seq_length=max((row.prep.tokens.shape[1] for row in prepared), default=1),
+        seq_length=max((prep.tokens.shape[1] for prep, _ in prepared), default=1),
         micro_batch_size=1,
         forward_only=forward_only,
         pg_collection=process_groups.collection,

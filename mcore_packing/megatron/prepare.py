@@ -189,6 +189,13 @@ def per_sample_logprobs(
     ]
 
 
+def target_count(sample: SequenceSample) -> int:
+    """The sample's learned target tokens (targets are tokens 1..n-1; the loss mask picks them)."""
+    n = len(sample.tokens)
+    mask = torch.ones(n) if sample.loss_mask is None else torch.as_tensor(sample.loss_mask, dtype=torch.float32)
+    return int(mask.reshape(-1)[1:].sum().item())
+
+
 def local_step_counts(
     plan: StepPlan, samples: Sequence[SequenceSample], process_groups: ProcessGroups
 ) -> tuple[int, int, int]:
@@ -205,10 +212,7 @@ def local_step_counts(
     groups = set()
     for mb in plan.for_rank(process_groups.dp_rank):
         for i in mb.sample_indices:
-            s = samples[i]
-            n = len(s.tokens)
-            mask = torch.ones(n) if s.loss_mask is None else torch.as_tensor(s.loss_mask, dtype=torch.float32)
-            valid = int(mask.reshape(-1)[1:].sum().item())  # targets are tokens 1..n-1
+            valid = target_count(samples[i])
             tokens += valid
             sequences += valid > 0
             if group_ids is not None:

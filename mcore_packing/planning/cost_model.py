@@ -71,12 +71,14 @@ class CostModel:
         s = np.asarray(lengths, dtype=np.float64)
         return (self.linear * s + self.quadratic * s * s) / cp_size + self.per_sequence
 
-    def cp_exchange(self, row_tokens, cp_size: int) -> float:
+    def cp_exchange(self, row_tokens, cp_size: int):
         """Per-rank cost of a micro-batch's CP exchange: the ``(k - 1) / k`` of its row's tokens whose keys
-        and values each rank receives, and ``k - 1`` exchange steps; 0 at ``cp_size = 1``."""
+        and values each rank receives, and ``k - 1`` exchange steps; 0 at ``cp_size = 1``. ``row_tokens``
+        may be an array (one row each)."""
+        tokens = np.asarray(row_tokens, dtype=np.float64)
         if cp_size <= 1:
-            return 0.0
-        share = (cp_size - 1) / cp_size * float(row_tokens)
+            return tokens * 0.0
+        share = (cp_size - 1) / cp_size * tokens
         return share * self.cp_exchange_per_token + (cp_size - 1) * self.cp_exchange_per_step
 
     def with_cp_exchange(self, shape: ModelShape, *, flops_per_byte: float, step_latency_flops: float,

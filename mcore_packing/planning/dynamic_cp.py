@@ -40,6 +40,7 @@ from ..validators import require_positive_int
 from .cost_model import CostModel
 from .layout import ParallelLayout
 from .padding import PaddingRule
+from .step_plan import micro_batch_cost
 
 __all__ = ["CPRow", "DynamicCPConfig", "DynamicCPPlan", "plan_dynamic_cp", "simulate_rows"]
 
@@ -177,15 +178,6 @@ def simulate_rows(rows, num_ranks: int) -> np.ndarray:
     return clock
 
 
-def row_cost(padded_spans, row_length: int, cp_size: int, model: CostModel) -> float:
-    """Per-rank cost of one row: its sequences at CP ``cp_size`` (the row's padding counts as part of
-    the last span), the per-micro-batch constant and the CP exchange."""
-    spans = np.asarray(padded_spans, dtype=np.float64).copy()
-    spans[-1] += row_length - spans.sum()
-    compute = float(model.sequence_cost(spans, cp_size).sum())
-    return compute + model.per_microbatch + model.cp_exchange(row_length, cp_size)
-
-
 def plan_dynamic_cp(lengths, config: DynamicCPConfig) -> DynamicCPPlan:
     """Plan one global batch under dynamic CP (see the module docstring)."""
     lengths = as_lengths(lengths, np.iinfo(np.int64).max)
@@ -206,7 +198,7 @@ def _make_row(samples: list[int], cp_size: int, first_rank: int, lengths: np.nda
     rule = config.padding_rule(cp_size)
     multiple = rule.total_multiple
     row_length = int(-(-int(padded.sum()) // multiple) * multiple)
-    cost = row_cost(padded, row_length, cp_size, config.model())
+    cost = micro_batch_cost(padded, (1, row_length), "packing", cp_size, config.model())  # a static row's cost
     return CPRow(tuple(samples), cp_size, first_rank, row_length, int(lengths[samples].sum()), cost)
 
 

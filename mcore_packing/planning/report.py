@@ -83,10 +83,9 @@ class _Tally:
         per_rank = [[mb.cost for mb in rank] for rank in plan.micro_batches]
         layout = config.layout
         if layout.pp > 1:
-            pipeline = {"vpp": layout.vpp}
-            times = [simulate_1f1b(np.asarray(c) / 3, layout.pp, group=layout.microbatch_group, **pipeline)
+            times = [simulate_1f1b(np.asarray(c) / 3, layout.pp, vpp=layout.vpp, group=layout.microbatch_group)
                      for c in per_rank]  # fmt: skip
-            bounds = [pipeline_lower_bound(np.asarray(c) / 3, layout.pp, **pipeline) for c in per_rank]
+            bounds = [pipeline_lower_bound(np.asarray(c) / 3, layout.pp, vpp=layout.vpp) for c in per_rank]
         else:
             times, bounds = [sum(c) for c in per_rank], [0.0]
         self.predicted += max(times)
@@ -261,7 +260,7 @@ def summarize_dynamic_cp(
         dynamic += plan.predicted_step_time
         micro += plan.num_microbatches
         static_plan = plan_step(lengths[lo:hi], config)
-        static += max(sum(mb.cost for mb in rank) for rank in static_plan.micro_batches)
+        static += max(static_plan.rank_costs())
     return {
         "cp_sizes": sizes,
         "micro_batches_per_rank_per_step": micro / len(bounds),

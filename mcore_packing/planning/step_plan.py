@@ -222,7 +222,7 @@ def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: Co
     flat, bin_id, last = _flat(bins)
     real = np.bincount(bin_id, weights=lengths[flat], minlength=len(bins))
     cp = config.layout.cp
-    exchange = np.array([model.cp_exchange(rows * width, cp) for rows, width in shapes], dtype=np.float64)
+    exchange = model.cp_exchange(np.array(shapes, dtype=np.float64).reshape(-1, 2).prod(axis=1), cp)
     if config.mode != "packing":
         rows, widths = np.array(shapes, dtype=np.float64).T
         return real, rows * model.sequence_cost(widths, cp) + model.per_microbatch + exchange
