@@ -125,6 +125,14 @@ def test_dynamic_cp_report_counts_every_sequence_once(tmp_path, capsys):
     assert code == 0 and "sequences per size CP 1: 60, CP 2: 6, CP 4: 2" in out and png.exists()
     code, _, err = run(capsys, "--lengths", str(lengths), "--mb-tokens", "4096", "--dynamic-cp", "--no-png")
     assert code == 2 and "--dynamic-cp plans packed rows of single samples at --cp > 1" in err
+    code, _, err = run(capsys, "--lengths", str(lengths), "--cp", "2", "--dp", "1", "--mb-tokens", "512",
+                       "--global-batch-size", "0", "--dynamic-cp", "--no-png", "--no-recommend")  # fmt: skip
+    assert code == 2 and "the longest is sample 66 with 1900 tokens" in err and "at least 950" in err  # one check
+
+
+def test_vpp_that_does_not_split_the_layers_exits_2_naming_the_flags(capsys):
+    code, _, err = run(capsys, "--corpus", "champ", "--pp", "4", "--vpp", "2", "--dp", "1", "--layers", "4", "--no-png")
+    assert code == 2 and "--pp x --vpp = 4 x 2 = 8" in err and "divides 4" in err
 
 
 def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
