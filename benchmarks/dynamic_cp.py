@@ -11,7 +11,8 @@ the table shows the assumption next to each number and a FLOPs-only row.
 Workloads: Megatron's dynamic-CP example (lognormal lengths, mean 1024, sigma 1.5, clipped to 128-8192,
 TP1 CP4, 2048 tokens per rank) and CHAMP conversations with a long-context budget (CP4, 2560 tokens per
 rank: the longest conversation needs all four), 16 samples per rank per step, 8 steps, at 8, 16, 32 and
-64 ranks; Llama-3-8B and Llama-3.2-1B shapes.
+64 ranks; the model of Megatron's example (12 layers, width 2048, 16 heads without GQA: 8 KiB of keys and
+values per token and layer), Llama-3-8B and Llama-3.2-1B (GQA with 8 key/value heads: 4 and 2 KiB).
 
     python benchmarks/dynamic_cp.py          # about a minute on 2 cores
 """
@@ -29,6 +30,10 @@ from mcore_packing.planning import CostModel, ModelShape, ParallelLayout, StepPl
 from mcore_packing.planning.report import summarize_dynamic_cp
 
 SHAPES = {
+    # the model of Megatron's own dynamic-CP example (examples/dynamic_context_parallel/benchmark_dcp.sh):
+    # 12 layers, width 2048, MLP 8192 (GeLU), 16 heads without GQA, vocabulary 131072
+    "megatron-example": ModelShape(num_layers=12, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192,
+                                   vocab_size=131072),
     "llama3-8b": DEFAULT_SHAPE,
     "llama3.2-1b": ModelShape(num_layers=16, hidden_size=2048, num_attention_heads=32, num_query_groups=8,
                               ffn_hidden_size=8192, vocab_size=128256, gated_mlp=True, normalization="RMSNorm"),
@@ -81,7 +86,7 @@ def main(argv=None) -> int:
                     ratio, sizes = s["static_over_dynamic"], s["cp_sizes"]
                     rows.append({"workload": workload, "model": shape_name, "link": link, "ranks": ranks,
                                  "static_over_dynamic": ratio, "cp_sizes": sizes})  # fmt: skip
-                    print(f"{workload:<42} {shape_name:<12} {link:<26} {ranks:>3} ranks: static / dynamic predicted "
+                    print(f"{workload:<42} {shape_name:<16} {link:<26} {ranks:>3} ranks: static / dynamic predicted "
                           f"step time {ratio:.3f}  (sequences per CP size {sizes})", flush=True)  # fmt: skip
     write_results(args.out, run, rows)
     return 0

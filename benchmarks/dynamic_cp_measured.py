@@ -2,9 +2,9 @@
 
 A real Megatron GPTModel (the library's builder, 2 layers, width 256) at CP=4 over 4 ranks; lognormal
 lengths shaped like Megatron's example, scaled down (mean 256, sigma 1.5, clipped to 32-2048), 512
-tokens per rank. Each step runs once with static CP (`plan_step`: every sequence cut over the 4 ranks,
-`forward_backward`) and once with dynamic CP (`plan_dynamic_cp`: each sequence on the CP size it needs,
-`forward_backward_dynamic_cp`), alternating, after one warm-up step of each; the ratio is taken in this
+tokens per rank. Each step runs once with static CP (`plan_step`: every sequence cut over the 4 ranks)
+and once with dynamic CP (`plan_step` with ``dynamic_cp=True``: each sequence on the CP size it needs),
+both through `forward_backward`, alternating, after one warm-up step of each; the ratio is taken in this
 one run. Four processes share the machine's cores, as they would share nothing on a GPU cluster: the
 number says which way the exchange goes on this machine, not by how much it goes on NVLink.
 
@@ -43,9 +43,7 @@ def worker(rank: int, port: int, steps: int, per_rank: int, out: dict) -> None:
         forward_backward,
         initialize_parallel,
     )
-    from mcore_packing.megatron.dynamic_cp import DynamicCPGroups, forward_backward_dynamic_cp
     from mcore_packing.planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
-    from mcore_packing.planning.dynamic_cp import DynamicCPConfig, plan_dynamic_cp
     from mcore_packing.thd import SequenceSample
 
     torch.set_num_threads(1)
@@ -58,22 +56,18 @@ def worker(rank: int, port: int, steps: int, per_rank: int, out: dict) -> None:
     with cpu_device_adapter():
         initialize_parallel(layout, seed=0)
         model, _ = build_gpt_model(shape, layout, device="cpu")
-        pgs = ProcessGroups.from_megatron()
-        groups = DynamicCPGroups.create(pgs, max_cp=CP)
+        pgs = ProcessGroups.from_megatron().with_dynamic_cp()
         for step in range(steps + 1):
             lengths = lengths_for(step, per_rank * WORLD)
             rng = np.random.default_rng(step)
             samples = [SequenceSample(rng.integers(0, 512, int(n)).tolist()) for n in lengths]
             static = plan_step(lengths, StepPlanConfig(train_mb_tokens=BUDGET, layout=layout))
-            dynamic = plan_dynamic_cp(lengths, DynamicCPConfig(max_tokens_per_rank=BUDGET, layout=layout))
+            dynamic = plan_step(lengths, StepPlanConfig(train_mb_tokens=BUDGET, layout=layout, dynamic_cp=True))
             for name in ("static", "dynamic") if step % 2 else ("dynamic", "static"):
                 model.zero_grad_buffer()
                 dist.barrier()
                 start = time.perf_counter()
-                if name == "static":
-                    forward_backward(model, samples, static, pgs, device="cpu")
-                else:
-                    forward_backward_dynamic_cp(model, samples, dynamic, pgs, groups, device="cpu")
+                forward_backward(model, samples, static if name == "static" else dynamic, pgs, device="cpu")
                 dist.barrier()
                 if step:  # step 0 warms up
                     times[name].append(time.perf_counter() - start)

@@ -10,7 +10,6 @@ batch builder, attention, loss and driver, through Megatron's real schedules and
 
 from __future__ import annotations
 
-import contextlib
 import re
 from functools import partial
 
@@ -277,6 +276,15 @@ def _apply_negative_control(kind: str | None):
             return original(weighted_sum / ps.get_context_parallel_world_size(), **kwargs)
 
         schedule.megatron_loss_output = without_cp
+    elif kind == "rope_rank_reversed":  # dynamic CP: RoPE places rank p's chunks as rank k-1-p's
+        import mcore_packing.megatron.dynamic_cp as dynamic
+
+        dynamic.rope_cp_group = partial(_reversed_rope, dynamic.rope_cp_group)
+    elif kind == "gather_over_own_rank":  # dynamic CP: each row split over its sub-group, but the
+        import mcore_packing.megatron.dynamic_cp as dynamic  # attention gathers keys/values over this rank only
+
+        _own_group(0)  # every rank creates the singleton groups now, in one order
+        dynamic.prepare_micro_batch = partial(_own_rank_attention, dynamic.prepare_micro_batch)
     elif kind == "contiguous_cp_split":
         # CP rank r keeps the r-th contiguous slice of the row instead of chunks r and 2*cp-1-r.
         import mcore_packing.megatron.prepare as prepare
@@ -309,6 +317,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
 
     from megatron.core import parallel_state as ps
 
+    import mcore_packing.megatron.dynamic_cp as dynamic
     import mcore_packing.megatron.prepare as prepare
     import mcore_packing.megatron.schedule as schedule
     from mcore_packing.megatron import (
@@ -329,6 +338,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
     for cfg in configs:
         importlib.reload(prepare)  # undo any negative-control patch of the previous config
         importlib.reload(schedule)
+        importlib.reload(dynamic)
         _apply_negative_control(cfg.get("negative"))
         cu_lengths = _record_cu_lengths(prepare)
         tp, pp, cp, vpp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1), cfg.get("vpp", 1)
@@ -358,8 +368,11 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 microbatch_order=cfg.get("microbatch_order", "packer"),
                 balance=cfg.get("balance", "cost"),
                 cost_model=_attention_cost_model() if cfg.get("attention_cost") else None,
+                dynamic_cp=cfg.get("dynamic_cp", False),
             )
             pgs = ProcessGroups.from_megatron()
+            if cfg.get("dynamic_cp"):
+                pgs = pgs.with_dynamic_cp()
             from mcore_packing.losses import dpo_pair_loss
 
             if cfg.get("pg"):
@@ -406,6 +419,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 "logprobs": logprobs,
                 "call_sites": sorted({tuple(site) for item in gathered for site in item["call_sites"]}),
                 "cu_lengths": sorted(set(cu_lengths)),  # rank 0's cu_seqlens lengths, every micro-batch
+                "cp_sizes": plan.cp_size_counts() if cfg.get("dynamic_cp") else None,
             }
         )
         ps.destroy_model_parallel()
@@ -610,49 +624,25 @@ def _reversed_rope(real_rope, chunk, group):
     return real_rope(chunk, _ReversedRank(group))
 
 
-def dynamic_cp_worker(rank, world_size, configs, samples, state_dict):
-    """Dynamic CP steps (dicts with cp, max_tokens_per_rank, normalization, negative): the planner's rows on
-    CP sub-groups through Megatron's schedule; rank 0 returns each config's loss, grads and CP sizes."""
-    from megatron.core import parallel_state as ps
+def _own_rank_attention(real_prepare, mb, samples, plan, row_groups, **kwargs):
+    """A row prepared for its sub-group whose attention gathers keys and values over a group of this rank
+    alone (a negative control: the split is right, the gather's group is wrong)."""
+    import torch.distributed as dist
 
-    import mcore_packing.megatron.dynamic_cp as dynamic
-    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, nll_loss
-    from mcore_packing.planning import ParallelLayout
-    from mcore_packing.planning.dynamic_cp import DynamicCPConfig, plan_dynamic_cp
-    from mcore_packing.thd import SequenceSample
+    prep = real_prepare(mb, samples, plan, row_groups, **kwargs)
+    if prep.packed_seq_params is not None and row_groups.cp_size > 1:
+        prep.packed_seq_params.cp_group = _own_group(dist.get_rank())
+    return prep
 
-    seq_samples = [SequenceSample(s["tokens"], s["loss_mask"]) for s in samples]
-    lengths = [len(s["tokens"]) for s in samples]
-    results = []
-    for cfg in configs:
-        cp = cfg["cp"]
-        _init(1, 1, cp)
-        real_rope = dynamic.rope_cp_group
-        if cfg.get("negative") == "rope_from_run_group":  # RoPE places positions by the run's CP group
-            dynamic.rope_cp_group = lambda chunk, group: contextlib.nullcontext()
-        if cfg.get("negative") == "rope_rank_reversed":  # RoPE places rank p's chunks as rank k-1-p's
-            dynamic.rope_cp_group = partial(_reversed_rope, real_rope)
-        try:
-            with cpu_device_adapter():
-                config = model_config(cp=cp, per_token_loss=cfg.get("per_token_loss", False))
-                module = build_stage(config)
-                load_sharded(module, state_dict, 0, 1, 0)
-                ddp = wrap_in_ddp(config, module)
-                pgs = ProcessGroups.from_megatron()
-                groups = dynamic.DynamicCPGroups.create(pgs, max_cp=cp)
-                layout = ParallelLayout(dp=world_size // cp, cp=cp)
-                plan = plan_dynamic_cp(lengths, DynamicCPConfig(max_tokens_per_rank=cfg["max_tokens_per_rank"],
-                                                                layout=layout))  # fmt: skip
-                nll = nll_loss(cfg.get("normalization", "token_mean"))
-                step = dynamic.forward_backward_dynamic_cp
-                result = step(ddp, seq_samples, plan, pgs, groups, loss=nll, device="cpu")
-                grads = collect_full_grads(ddp, 0)
-        finally:
-            dynamic.rope_cp_group = real_rope
-        mine = grads if rank == 0 else {}
-        merged, losses, _ = gather_results(world_size, mine, result.loss)
-        results.append({"config": cfg, "loss": losses[0], "all_losses_equal": len(set(losses)) == 1,
-                        "grads": merged, "cp_sizes": plan.cp_size_counts(),
-                        "num_microbatches": result.num_microbatches})  # fmt: skip
-        ps.destroy_model_parallel()
-    return results if rank == 0 else None
+
+_OWN_GROUPS: dict = {}
+
+
+def _own_group(rank: int):
+    """A process group of ``rank`` alone, made collectively once per world (every rank creates every one)."""
+    import torch.distributed as dist
+
+    if not _OWN_GROUPS:
+        for r in range(dist.get_world_size()):
+            _OWN_GROUPS[r] = dist.new_group([r])
+    return _OWN_GROUPS[rank]

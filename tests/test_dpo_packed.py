@@ -48,6 +48,8 @@ def test_packed_pairs_on_two_ranks_match_unpacked_dpo(reference):
         {"mode": "dynamic", "dpo": True, "train_mb_tokens": 64},  # pairs whole in BSHD micro-batches, DP=2
         {"mode": "dynamic", "dpo": True, "cp": 2, "train_mb_tokens": 64},
         {"mode": "dynamic", "dpo": True, "pp": 2, "variable_seq_lengths": True, "train_mb_tokens": 64},
+        # dynamic CP: each pair in one row, the pair's CP size the one its two sequences need together
+        {"mode": "packing", "dpo": True, "cp": 2, "dynamic_cp": True, "train_mb_tokens": 40},
         {"mode": "packing", "dpo": True, "train_mb_tokens": 64, "wrong_pairs": True},  # negative control
     ]
     results = run_distributed(
@@ -66,5 +68,8 @@ def test_packed_pairs_on_two_ranks_match_unpacked_dpo(reference):
         errors = grad_errors(result["grads"], ref["grads"])
         assert max(errors.values()) <= 1e-5, (result["config"], max(errors.values()))
         layout = {k: result["config"].get(k, 1) for k in ("cp", "pp")}
+        layout["dynamic_cp"] = result["config"].get("dynamic_cp", False)
+        if result["config"].get("dynamic_cp"):
+            assert {k for k, n in result["cp_sizes"].items() if n} == {1, 2}, result["cp_sizes"]
         loss_error = abs(result["loss"] - ref["loss"]) / abs(ref["loss"])
         print(f"{result['config']['mode']} {layout}: loss {loss_error:.1e}, grads {max(errors.values()):.1e}")

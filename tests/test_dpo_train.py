@@ -94,12 +94,21 @@ def test_the_trainer_equals_the_unpacked_dpo_loss(tmp_path, pairs_file):
 @pytest.mark.multirank
 @pytest.mark.parametrize(
     "layout",
-    [[], ["parallel.cp=2"], ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"]],
-    ids=["packed-dp2", "packed-cp2", "dynamic-dp2"],
+    [
+        [],
+        ["parallel.cp=2"],
+        ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"],
+        # dynamic CP: each pair in one row, on one rank or (a pair of 40 tokens) on both
+        ["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=39"],
+    ],
+    ids=["packed-dp2", "packed-cp2", "dynamic-dp2", "dynamic-cp2"],
 )
 def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, pairs_file, layout):
     proc = train(tmp_path, *DPO, f"dpo.pairs={pairs_file}", *layout, torchrun=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if "context_parallel.dynamic=true" in layout:
+        sizes = [r["cp_sizes"] for r in metrics(tmp_path)]
+        assert sum(s["1"] for s in sizes) and sum(s["2"] for s in sizes), sizes  # both sizes ran
     for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
         assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"]), (got["loss"], expected["loss"])
         assert got["accuracy"] == expected["accuracy"]

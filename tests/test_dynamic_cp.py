@@ -61,7 +61,10 @@ def test_plans_meet_every_rule(dp, cp):
         assert row.real_tokens == int(lengths[list(row.sample_indices)].sum())
         sizes.update({i: k for i in row.sample_indices})
     assert sorted(sizes) == list(range(lengths.size))  # every sample exactly once
-    assert all(sizes[i] == brute_force_size(int(n), budget, cp) for i, n in enumerate(lengths))
+    smallest = [brute_force_size(int(n), budget, cp) for n in lengths]
+    assert all(sizes[i] >= smallest[i] for i in range(lengths.size))
+    # a larger size than needed only to even out the counts: rare on a batch of 24 samples per rank
+    assert sum(sizes[i] > smallest[i] for i in range(lengths.size)) <= 2, sizes
     counts = {len(plan.for_rank(r)) for r in range(dp * cp)}
     assert len(counts) == 1, counts
     assert shared_row_orders_agree(plan, dp * cp)
@@ -115,8 +118,102 @@ def test_bad_configs_and_samples_are_refused_naming_the_fix():
     config = DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(cp=2))
     with pytest.raises(ValueError, match=r"sample 1 has 200 tokens.*at least 100"):
         plan_dynamic_cp([10, 200], config)
-    with pytest.raises(ValueError, match="cannot give the 2 ranks of dynamic CP the same number"):
-        plan_dynamic_cp([30], config)  # one CP-1 sample: the other rank has nothing to run
+    # One CP-1 sample on two ranks runs at CP 2 (the other rank would have nothing to run) ...
+    assert [(row.cp_size, row.sample_indices) for row in plan_dynamic_cp([30], config).rows] == [(2, (0,))]
+    # ... but over DP2 x CP2 the other pair of ranks still has nothing: refused, naming the fix.
+    with pytest.raises(ValueError, match=r"cannot give the 4 ranks of dynamic CP the same number.*more samples"):
+        plan_dynamic_cp([30], DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(cp=2, dp=2)))
+
+
+def check_plan(plan, lengths, dp: int, cp: int, groups=None) -> dict:
+    """The rules every dynamic-CP plan keeps; returns each sample's CP size."""
+    sizes = {}
+    for row in plan.rows:
+        k = row.cp_size
+        assert row.first_rank % k == 0 and row.first_rank + k <= dp * cp
+        assert row.row_length <= plan.config.capacity(k) and row.row_length % (2 * k if k > 1 else 1) == 0
+        assert row.real_tokens == int(np.asarray(lengths)[list(row.sample_indices)].sum())
+        assert not set(row.sample_indices) & set(sizes)
+        sizes.update({i: k for i in row.sample_indices})
+        if groups is not None:  # a group never spans rows
+            assert all(groups[j] != groups[i] or j in row.sample_indices for i in row.sample_indices
+                       for j in range(len(groups)))  # fmt: skip
+    assert sorted(sizes) == list(range(len(lengths)))
+    assert len({len(plan.for_rank(r)) for r in range(dp * cp)}) == 1
+    assert shared_row_orders_agree(plan, dp * cp)
+    return sizes
+
+
+def test_small_batches_are_refused_only_where_static_cp_refuses_them_too():
+    """Small random batches (down to one sample per DP group, where equal counts are hardest): every plan
+    keeps the rules (splitting, moving, promoting and merging rows, at worst every sample at the full CP
+    size); a batch is refused only when static CP cannot give its DP ranks equal counts either."""
+    rng = np.random.default_rng(7)
+    planned = refused = 0
+    for case in range(400):
+        dp, cp = [(1, 2), (1, 4), (2, 2), (2, 4)][case % 4]
+        n = int(rng.integers(dp, 5 * dp * cp))
+        lengths = rng.integers(1, cp * 64 - 2 * cp, n)
+        layout = ParallelLayout(dp=dp, cp=cp)
+        config = DynamicCPConfig(max_tokens_per_rank=64, layout=layout, cost_model=MODEL)
+        try:
+            plan = plan_dynamic_cp(lengths, config)
+        except ValueError as exc:
+            assert "same number of micro-batches" in str(exc) and "more samples" in str(exc)
+            with pytest.raises(ValueError):
+                plan_step(lengths, StepPlanConfig(train_mb_tokens=64, layout=layout))
+            refused += 1
+            continue
+        check_plan(plan, lengths, dp, cp)
+        planned += 1
+    assert planned > 350, (planned, refused)
+
+
+def test_groups_share_one_row_at_the_size_the_group_needs():
+    """A group (a DPO pair, GRPO responses) runs in one row; its CP size is the smallest whose row holds
+    all of it, larger than its samples alone would need; a group too large for cp ranks is refused
+    naming it."""
+    lengths = [50, 40, 30, 30, 20, 10, 60, 5, 45, 35, 25, 15]
+    groups = [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    config = DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(dp=1, cp=4), cost_model=MODEL)
+    plan = plan_dynamic_cp(lengths, config, groups=groups)
+    sizes = check_plan(plan, lengths, 1, 4, groups)
+    assert sizes[0] == sizes[1] >= 2  # 50 + 40 > 64: the pair needs two ranks although each fits one
+    assert plan.groups == tuple(groups)
+    with pytest.raises(ValueError, match=r"the group of samples \[0, 1\] has 272 padded tokens.*at least 68"):
+        plan_dynamic_cp([136, 136, 8, 8], config, groups=[0, 0, 1, 1])
+
+
+def test_plan_step_with_dynamic_cp_plans_both_passes_and_reports_like_a_step_plan():
+    """`plan_step` with ``dynamic_cp=True`` returns the dynamic plan at the pass's budget per rank; its
+    report (stats, micro-batches per rank, fingerprint, chained minibatches) reads like a `StepPlan`'s;
+    the settings that do not apply are refused naming them."""
+    from mcore_packing.planning.dynamic_cp import DynamicCPPlan
+
+    lengths = np.minimum(lognormal(64, seed=3) // 8, 250)
+    layout = ParallelLayout(dp=2, cp=2)
+    config = StepPlanConfig(train_mb_tokens=128, logprob_mb_tokens=512, layout=layout, cost_model=MODEL,
+                            dynamic_cp=True)
+    train = plan_step(lengths, config)
+    logprob = plan_step(lengths, config, forward_only=True)
+    assert isinstance(train, DynamicCPPlan) and train.config.max_tokens_per_rank == 128
+    assert logprob.forward_only and logprob.config.max_tokens_per_rank == 512
+    assert logprob.cp_size_counts()[2] < train.cp_size_counts()[2]  # the larger budget needs CP less often
+    stats = train.stats()
+    assert stats["real_tokens"] == int(lengths.sum()) and stats["num_microbatches_per_rank"] == train.num_microbatches
+    assert stats["predicted_step_cost"] == pytest.approx(train.predicted_step_time)
+    assert [len(r) for r in train.micro_batches] == [train.num_microbatches] * 4
+    assert stats["max_tokens_per_rank"] <= 128 and sum(stats["cp_sizes"].values()) == lengths.size
+    assert train.fingerprint() == plan_step(lengths, config).fingerprint() != logprob.fingerprint()
+    chained = type(train).chained([train, logprob])
+    assert chained.lengths == train.lengths + logprob.lengths
+    assert sorted(i for row in chained.rows for i in row.sample_indices) == list(range(2 * lengths.size))
+    for bad, fragment in [({"mode": "dynamic"}, "needs mode='packing'"),
+                          ({"fixed_shape": True}, "fixed_shape does not"),
+                          ({"cost_budget": "auto"}, "cost_budget does not"),
+                          ({"layout": ParallelLayout(cp=2, pp=2)}, "dynamic_cp runs at pp=1")]:  # fmt: skip
+        with pytest.raises(ValueError, match=fragment):
+            StepPlanConfig(**{"train_mb_tokens": 128, "layout": layout, "dynamic_cp": True, **bad})
 
 
 def test_the_exchange_cost_is_what_the_cost_model_says():
@@ -143,9 +240,13 @@ def reference():
 
 
 STEPS = [
-    {"cp": 4, "max_tokens_per_rank": 16},  # CP4 over 4 ranks: sequences of CP size 1, 2 and 4 in one step
-    {"cp": 2, "max_tokens_per_rank": 24, "normalization": "sequence_mean"},  # DP2 x CP2: sizes 1 and 2
-    {"cp": 4, "max_tokens_per_rank": 16, "negative": "rope_rank_reversed"},  # RoPE of the mirrored rank
+    # CP4 over 4 ranks: sequences of CP size 1, 2 and 4 in one step; log-probs too
+    {"cp": 4, "dynamic_cp": True, "train_mb_tokens": 16, "logprobs": True},
+    {"cp": 2, "dynamic_cp": True, "train_mb_tokens": 24, "normalization": "sequence_mean"},  # DP2 x CP2: 1 and 2
+    # TP2 with sequence parallelism x CP2: two DP x CP domains (one per TP rank), each with its sub-groups
+    {"tp": 2, "sp": True, "cp": 2, "dynamic_cp": True, "train_mb_tokens": 24},
+    {"cp": 4, "dynamic_cp": True, "train_mb_tokens": 16, "negative": "rope_rank_reversed"},
+    {"cp": 4, "dynamic_cp": True, "train_mb_tokens": 16, "negative": "gather_over_own_rank"},
 ]
 
 
@@ -153,19 +254,25 @@ STEPS = [
 def test_dynamic_cp_steps_match_the_unpacked_reference(reference):
     """Each row on its own CP sub-group (K/V gathered over it, RoPE placed by it, the 2k-chunk split),
     gradients reduced over DP x CP once, the loss normalized over the global batch: loss <= 1e-6 and
-    gradients <= 1e-5 against one sequence per forward in one process. The negative control places
-    RoPE positions as the mirrored rank of the same sub-group would: the gradients move far off."""
+    gradients <= 1e-5 against one sequence per forward in one process; log-probs too. Two negative
+    controls: RoPE positions placed as the mirrored rank of the same sub-group would, and a row split over
+    its sub-group whose keys and values are gathered over the wrong group (this rank alone): both move
+    the gradients far off."""
     from .distributed_harness import run_distributed
-    from .test_step_equivalence import SAMPLES, errors
+    from .test_step_equivalence import SAMPLES, check_logprobs, errors
 
-    results = run_distributed("tests.step_workers:dynamic_cp_worker", 4, configs=STEPS, samples=SAMPLES,
+    results = run_distributed("tests.step_workers:step_worker", 4, configs=STEPS, samples=SAMPLES,
                               state_dict=reference["state_dict"], timeout=600)[0]  # fmt: skip
     for result in results:
         loss_err, grad_err = errors(result, reference)
         assert result["all_losses_equal"]
-        if result["config"].get("negative"):
+        cfg = result["config"]
+        print(f"dynamic CP {cfg}: loss {loss_err:.1e}, grads {grad_err:.1e}, CP sizes {result['cp_sizes']}")
+        if cfg.get("negative"):
             assert grad_err > 1e-3, (loss_err, grad_err)
             continue
-        assert loss_err <= 1e-6 and grad_err <= 1e-5, (result["config"], loss_err, grad_err)
+        assert loss_err <= 1e-6 and grad_err <= 1e-5, (cfg, loss_err, grad_err)
         used = {k for k, n in result["cp_sizes"].items() if n}
-        assert used == ({1, 2, 4} if result["config"]["cp"] == 4 else {1, 2}), result["cp_sizes"]
+        assert used == ({1, 2, 4} if cfg["cp"] == 4 else {1, 2}), result["cp_sizes"]
+        if cfg.get("logprobs"):
+            check_logprobs(result, reference)

@@ -90,12 +90,18 @@ def test_resume_continues_with_the_same_losses(tmp_path, straight_run, rollouts_
         # groups whole in the BSHD micro-batches of the log-prob pass: two groups of 4 rows x <= 41 tokens fit
         # 384, so 3 groups make 2 micro-batches, one per DP rank
         ["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "dynamic_batching.logprob_mb_tokens=384"],
+        # dynamic CP: the training pass's responses over 24 tokens run on both ranks, the rest on one; the
+        # log-prob pass keeps each group of 4 in one row (160 per rank: CP 1)
+        ["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.train_mb_tokens=24"],
     ],
-    ids=["packed-cp2", "dynamic-dp2"],
+    ids=["packed-cp2", "dynamic-dp2", "dynamic-cp2"],
 )
 def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_file, layout):
     proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", *layout, torchrun=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if "context_parallel.dynamic=true" in layout:
+        sizes = [r["cp_sizes"] for r in metrics(tmp_path)]
+        assert all(s["1"] and s["2"] for s in sizes), sizes  # rows of both CP sizes in every training pass
     for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
         assert abs(got["loss"] - expected["loss"]) <= 1e-5 * max(1.0, abs(expected["loss"])), (got, expected)
         assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)

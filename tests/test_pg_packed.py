@@ -62,7 +62,8 @@ def _check(result, ref):
     assert abs(result["loss"] - ref["loss"]) <= 1e-5 * abs(ref["loss"]), (result["config"], result["loss"], ref["loss"])
     errors = grad_errors(result["grads"], ref["grads"])
     assert max(errors.values()) <= 1e-5, (result["config"], max(errors.values()))
-    layout = {"mode": result["config"]["mode"], **{k: result["config"].get(k, 1) for k in ("tp", "pp", "cp")}}
+    layout = {"mode": result["config"]["mode"], **{k: result["config"].get(k, 1) for k in ("tp", "pp", "cp")},
+              "dynamic_cp": result["config"].get("dynamic_cp", False)}  # fmt: skip
     token_level = result["config"]["pg"]["token_level_loss"]
     loss_error = abs(result["loss"] - ref["loss"]) / abs(ref["loss"])
     print(f"{layout} token_level={token_level}: loss {loss_error:.1e}, grads {max(errors.values()):.1e}")
@@ -89,13 +90,16 @@ def test_single_rank_packed_and_dynamic_pg_equal_unpacked(reference):
 
 
 @pytest.mark.slow
-def test_pg_on_cp2_dp2_tp2_pp2_and_dynamic_pp2_equals_unpacked(reference):
+def test_pg_on_cp2_dp2_tp2_pp2_dynamic_pp2_and_dynamic_cp_equals_unpacked(reference):
     configs = [
         *({"mode": "packing", "pg": pg, "cp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),  # DP=2
         *({"mode": "packing", "pg": pg, "tp": 2, "pp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),
         # Dynamic batching (BSHD rows of similar length) through the pipeline: PP=2, DP=2.
         *({"mode": "dynamic", "pg": pg, "pp": 2, "variable_seq_lengths": True, "train_mb_tokens": 64}
           for pg in PG_CONFIGS),
+        # Dynamic CP: rows of CP size 1 and 2 (CP4: 2 and 4 too) on sub-groups; the unpacked view gathered per row.
+        {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 4, "dynamic_cp": True, "train_mb_tokens": 12},
+        {"mode": "packing", "pg": PG_CONFIGS[1], "cp": 2, "dynamic_cp": True, "train_mb_tokens": 16},
         # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
         {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 2, "train_mb_tokens": 64,
          "negative_pg": "per_microbatch_normalization"},
@@ -109,8 +113,11 @@ def test_pg_on_cp2_dp2_tp2_pp2_and_dynamic_pp2_equals_unpacked(reference):
         timeout=900,
     )[0]
     *good, wrong = results
-    for result, ref in zip(good, reference["pg"] * 3, strict=True):
+    for result, ref in zip(good, reference["pg"] * 4, strict=True):
         _check(result, ref)
+        if result["config"].get("dynamic_cp"):
+            used = {k for k, n in result["cp_sizes"].items() if n}
+            assert len(used) > 1, result["cp_sizes"]  # rows of more than one CP size in the step
     ref = reference["pg"][0]
     assert abs(wrong["loss"] - ref["loss"]) > 1e-3 * abs(ref["loss"]), (wrong["loss"], ref["loss"])
     print(f"per-micro-batch normalization (control): loss {abs(wrong['loss'] - ref['loss']) / abs(ref['loss']):.1e}")

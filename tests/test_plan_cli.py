@@ -109,7 +109,7 @@ def test_dynamic_mode_and_budget_recommendation(capsys):
 
 def test_dynamic_cp_report_counts_every_sequence_once(tmp_path, capsys):
     """--dynamic-cp: sequences per CP size add up to the data set, the long ones need CP > 1, the short ones
-    run at CP 1; the PNG is written with them; a layout without CP is refused."""
+    run at CP 1; the PNG is written with them; layouts dynamic CP does not run are refused naming the fix."""
     lengths = tmp_path / "lengths.txt"
     values = [100] * 60 + [900] * 6 + [1900] * 2
     lengths.write_text("\n".join(map(str, values)))
@@ -123,8 +123,21 @@ def test_dynamic_cp_report_counts_every_sequence_once(tmp_path, capsys):
     code, out, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--mb-tokens", "512",
                        "--global-batch-size", "0", "--dynamic-cp", "--png", str(png), "--no-recommend")  # fmt: skip
     assert code == 0 and "sequences per size CP 1: 60, CP 2: 6, CP 4: 2" in out and png.exists()
+    # the flag is context_parallel.dynamic=true: the same document either way
+    code, same, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--mb-tokens", "512",
+                        "--global-batch-size", "0", "context_parallel.dynamic=true", "--json",
+                        "--no-recommend")  # fmt: skip
+    assert code == 0 and json.loads(same)["dynamic_cp"] == dynamic
+    # context_parallel.max_tokens_per_rank is the budget per rank when set
+    code, out, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--global-batch-size", "0",
+                       "--dynamic-cp", "context_parallel.max_tokens_per_rank=1024", "--json",
+                       "--no-recommend")  # fmt: skip
+    assert code == 0 and json.loads(out)["dynamic_cp"]["cp_sizes"] == {"1": 66, "2": 2, "4": 0}
     code, _, err = run(capsys, "--lengths", str(lengths), "--mb-tokens", "4096", "--dynamic-cp", "--no-png")
-    assert code == 2 and "--dynamic-cp plans packed rows of single samples at --cp > 1" in err
+    assert code == 2 and "--dynamic-cp=true picks a CP size per sequence up to parallel.cp, which is 1" in err
+    code, _, err = run(capsys, "--lengths", str(lengths), "--cp", "2", "--dp", "1", "--dynamic-cp", "--mode",
+                       "dynamic", "--no-png")  # fmt: skip
+    assert code == 2 and "set sequence_packing.enabled=true and dynamic_batching.enabled=false" in err
     code, _, err = run(capsys, "--lengths", str(lengths), "--cp", "2", "--dp", "1", "--mb-tokens", "512",
                        "--global-batch-size", "0", "--dynamic-cp", "--no-png", "--no-recommend")  # fmt: skip
     assert code == 2 and "the longest is sample 66 with 1900 tokens" in err and "at least 950" in err  # one check

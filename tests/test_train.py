@@ -145,6 +145,25 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "model.num_experts=4", "model.gated_mlp=true",
           "model.linear_bias=false"], 2,
          "parallel.vpp=2 with a Mixture-of-Experts model is not supported yet"),
+        (["context_parallel.dynamic=true"], 1, "context_parallel.dynamic=true picks a CP size per sequence up to "
+         "parallel.cp, which is 1"),
+        (["context_parallel.max_tokens_per_rank=512"], 1,
+         "context_parallel.max_tokens_per_rank=512 applies to dynamic CP"),
+        (["context_parallel.max_tokens_per_rank=0", "context_parallel.dynamic=true"], 1,
+         "context_parallel.max_tokens_per_rank must be an integer >= 1"),
+        (["parallel.cp=3", "context_parallel.dynamic=true", "model.num_attention_heads=4"], 3,
+         "needs a power-of-two parallel.cp"),
+        (["parallel.cp=2", "parallel.pp=2", "context_parallel.dynamic=true"], 4,
+         "context_parallel.dynamic runs at parallel.pp=1 (got parallel.pp=2)"),
+        (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.enabled=false",
+          "dynamic_batching.enabled=true"], 2, "set sequence_packing.enabled=true and dynamic_batching.enabled=false"),
+        (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.fixed_shape=true"], 2,
+         "sequence_packing.fixed_shape does not apply with context_parallel.dynamic=true"),
+        (["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=100"], 2,
+         "Raise context_parallel.max_tokens_per_rank to at least"),
+        (["parallel.cp=2", "context_parallel.dynamic=true", "model.num_layers=4", "model.num_experts=4",
+          "model.gated_mlp=true", "model.linear_bias=false"], 2,
+         "context_parallel.dynamic=true with a Mixture-of-Experts model is not supported yet"),
     ],
 )
 def test_validation_errors_name_the_key(tmp_path, overrides, world, fragment):
@@ -197,6 +216,27 @@ def test_torchrun_two_ranks(tmp_path, parallel):
     assert rows[-1]["loss"] < rows[0]["loss"]
     log = (tmp_path / "run" / "train.log").read_text()
     assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_dynamic_cp_trains_with_the_single_rank_losses(tmp_path):
+    """context_parallel.dynamic on 2 ranks (CP2, 768 tokens per rank): conversations over 768 tokens run on
+    both ranks, the others on one; every step's loss equals a single rank's (the step is exact), and the
+    metrics say which CP sizes ran."""
+    single = train(tmp_path / "single", "training.steps=3")
+    assert single.returncode == 0, single.stderr[-3000:]
+    dynamic = ["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=768"]
+    proc = train(tmp_path / "dynamic", "training.steps=3", *dynamic, torchrun=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "cp=1/2 (dynamic)" in proc.stdout
+    rows, expected = metrics(tmp_path / "dynamic"), metrics(tmp_path / "single")
+    for got, want in zip(rows, expected, strict=True):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["loss"], want["loss"])
+        assert got["useful_tokens"] == want["useful_tokens"]
+    sizes = [r["cp_sizes"] for r in rows]
+    assert sum(s["1"] for s in sizes) and sum(s["2"] for s in sizes), sizes  # both sizes ran
+    assert "cp_sizes" not in expected[0]
 
 
 def test_the_warning_filter_keeps_ours_and_unknown_ones():

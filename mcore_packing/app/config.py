@@ -1,7 +1,7 @@
 """The trainer's structured configuration: one dataclass per Hydra group, each validated when it is built.
 
 Groups (YAML in ``hydra_configs/<group>/``): model, optimizer, data, sequence_packing, dynamic_batching,
-parallel, training, logging, cluster, grpo, loss_fn, dpo. Keys of ``sequence_packing``,
+parallel, context_parallel, training, logging, cluster, grpo, loss_fn, dpo. Keys of ``sequence_packing``,
 ``dynamic_batching``, ``grpo``, ``loss_fn`` and ``dpo`` are NeMo-RL's; those groups are the lower layers'
 own torch-free dataclasses (`planning.sections`, `rl.config`, `losses.ClippedPGConfig`), and ``model`` is
 generated from `planning.ModelShape`, so each key is declared once. The same dataclasses are registered in
@@ -38,6 +38,7 @@ RESUME_CHOICES = (False, True, "auto")
 __all__ = [
     "ClusterConfig",
     "ConfigError",
+    "ContextParallelConfig",
     "DPOConfig",
     "DataConfig",
     "DynamicBatchingConfig",
@@ -211,6 +212,28 @@ class ParallelConfig:
             raise ConfigError(message) from None
 
 
+@dataclass
+class ContextParallelConfig:
+    """Dynamic context parallelism (`planning.dynamic_cp`): with ``dynamic=true`` every sequence runs on
+    the smallest power-of-two CP size (up to ``parallel.cp``) whose row of that many ranks holds it, so
+    short sequences run data-parallel and only long ones pay CP's key/value exchange. Needs sequence
+    packing, a power-of-two ``parallel.cp >= 2`` and ``parallel.pp=1``."""
+
+    dynamic: bool = False
+    # tokens one rank holds of a row (Megatron's max_seqlen_per_dp_cp_rank); null: the packing budgets
+    # (sequence_packing.train_mb_tokens, and logprob_mb_tokens for log-prob passes); set: both passes
+    max_tokens_per_rank: int | None = None
+
+    def __post_init__(self):
+        _positive("context_parallel", self, "max_tokens_per_rank", allow_none=True)
+        if self.max_tokens_per_rank is not None and not self.dynamic:
+            raise ConfigError(
+                f"context_parallel.max_tokens_per_rank={self.max_tokens_per_rank} applies to dynamic CP; set "
+                "context_parallel.dynamic=true, or (static CP) set sequence_packing.train_mb_tokens instead.",
+                key="context_parallel.max_tokens_per_rank",
+            )
+
+
 def _number(group: str, obj, name: str, *, low: float, high: float | None = None, open_low: bool = False) -> None:
     value = getattr(obj, name)
     bad = not isinstance(value, (int, float)) or isinstance(value, bool) or value != value
@@ -341,6 +364,7 @@ class TrainConfig:
     sequence_packing: SequencePackingConfig = field(default_factory=SequencePackingConfig)
     dynamic_batching: DynamicBatchingConfig = field(default_factory=DynamicBatchingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    context_parallel: ContextParallelConfig = field(default_factory=ContextParallelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -380,6 +404,7 @@ GROUPS = {
     "sequence_packing": SequencePackingConfig,
     "dynamic_batching": DynamicBatchingConfig,
     "parallel": ParallelConfig,
+    "context_parallel": ContextParallelConfig,
     "training": TrainingConfig,
     "logging": LoggingConfig,
     "cluster": ClusterConfig,
@@ -402,12 +427,41 @@ def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
             "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "
             "have different shapes."
         )
+    _check_dynamic_cp(cfg, layout)
     cfg.optimizer.decay_iters(cfg.optimizer_steps)  # the LR decay must end after the warmup
     return layout
 
 
-def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
-    """The model's heads split over TP and its experts over EP (a `ConfigError` naming the parallel key)."""
+def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
+    """``context_parallel.dynamic``: packed rows, a power-of-two cp of at least 2, pp=1, no fixed shapes."""
+    if not cfg.context_parallel.dynamic:
+        return
+    from ..planning.dynamic_cp import check_dynamic_cp_layout
+
+    key = "context_parallel.dynamic"
+    if layout.cp == 1:
+        raise ConfigError(f"{key}=true picks a CP size per sequence up to parallel.cp, which is 1; set parallel.cp "
+                          "to 2 or more (a power of two).", key=key)  # fmt: skip
+    try:
+        check_dynamic_cp_layout(layout, key=key, cp_key="parallel.cp", pp_key="parallel.pp")
+    except ValueError as exc:
+        raise ConfigError(str(exc), key=key) from None
+    if not cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled:
+        raise ConfigError(
+            f"{key}=true runs packed THD rows on CP sub-groups: set sequence_packing.enabled=true and "
+            "dynamic_batching.enabled=false (dynamic batching runs with static CP).", key=key,
+        )  # fmt: skip
+    for name in ("fixed_shape", "cost_budget"):
+        if getattr(cfg.sequence_packing, name):
+            raise ConfigError(
+                f"sequence_packing.{name} does not apply with {key}=true (rows are sized per CP size and scheduled "
+                f"by cost); unset sequence_packing.{name}, or use static CP.", key=f"sequence_packing.{name}",
+            )  # fmt: skip
+
+
+def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout, *, dynamic_cp: bool = False) -> None:
+    """The model's heads split over TP and its experts over EP (a `ConfigError` naming the parallel key);
+    ``dynamic_cp``: the model can run dynamic CP (dense models only, for now)."""
     try:
         layout.check_heads(shape.num_attention_heads, shape.kv_heads)
     except ValueError as exc:
@@ -420,6 +474,12 @@ def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
         layout.check_layers(shape.num_layers)
     except ValueError as exc:
         raise ConfigError(str(exc).replace("pp x vpp", "parallel.pp x parallel.vpp"), key="parallel.vpp") from None
+    if dynamic_cp and shape.is_moe:
+        raise ConfigError(
+            "context_parallel.dynamic=true with a Mixture-of-Experts model is not supported yet: the router losses "
+            "and expert-load counts are summed over the run's static TP x CP group, not a row's CP sub-group. Use "
+            "static CP (context_parallel.dynamic=false).", key="context_parallel.dynamic",
+        )  # fmt: skip
     if layout.vpp > 1 and shape.is_moe:
         raise ConfigError(
             f"parallel.vpp={layout.vpp} with a Mixture-of-Experts model is not supported yet: the router losses "
@@ -439,9 +499,14 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
         "padded_rows": rows,
     }
     shape = cfg.model.shape(vocab_size or cfg.data.vocab_size)
+    packing = asdict(cfg.sequence_packing)
+    dynamic_cp = cfg.context_parallel.dynamic
+    if dynamic_cp and cfg.context_parallel.max_tokens_per_rank is not None:  # both passes' budget per rank
+        packing.update(train_mb_tokens=cfg.context_parallel.max_tokens_per_rank,
+                       logprob_mb_tokens=cfg.context_parallel.max_tokens_per_rank)  # fmt: skip
     try:
         return StepPlanConfig.from_sections(
-            sequence_packing=asdict(cfg.sequence_packing),
+            sequence_packing=packing,
             dynamic_batching=asdict(cfg.dynamic_batching),
             padded=padded,
             sequence_length_divisible_by=par.make_sequence_length_divisible_by,
@@ -450,6 +515,7 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
             layout=layout,
             fixed_length=False if par.variable_seq_lengths else None,
             fp8_alignment=fp8_row_alignment(cfg.model.fp8_recipe),
+            dynamic_cp=dynamic_cp,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -458,16 +524,19 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
 _MODE_SECTIONS = {"packing": "sequence_packing", "dynamic": "dynamic_batching"}
 
 
-def budget_key(plan: StepPlanConfig, *, forward_only: bool = False) -> str | None:
-    """The config key of the budget that applies (``sequence_packing.logprob_mb_tokens``, ...); None in
-    padded mode, which has no section."""
+def budget_key(plan: StepPlanConfig, *, forward_only: bool = False, cfg: TrainConfig | None = None) -> str | None:
+    """The config key of the budget that applies (``sequence_packing.logprob_mb_tokens``, ...; with
+    ``cfg``'s dynamic CP and its ``max_tokens_per_rank``, that key); None in padded mode, which has no
+    section."""
+    if cfg is not None and cfg.context_parallel.dynamic and cfg.context_parallel.max_tokens_per_rank is not None:
+        return "context_parallel.max_tokens_per_rank"
     section = _MODE_SECTIONS.get(plan.mode)
     return f"{section}.{plan.budget(forward_only)[0]}" if section else None
 
 
 def check_data_fits(cfg: TrainConfig, plan: StepPlanConfig, lengths) -> None:
     """The budget must hold the longest (padded) sample of the data set: say so before training starts."""
-    key = budget_key(plan)
+    key = budget_key(plan, cfg=cfg)
     # padded rows: SFT samples are cut to data.max_sample_tokens, rollouts not
     key, fix = (key, "lower data.max_sample_tokens") if key else ("data.max_sample_tokens", "drop them")
     try:

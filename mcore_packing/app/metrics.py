@@ -85,6 +85,7 @@ class MetricsLogger:
             "predicted_step_time_s": predicted,
             "step_time_s": outcome.seconds,
             "sample_ids": batch_ids,
+            **({"cp_sizes": stats["cp_sizes"]} if "cp_sizes" in stats else {}),  # dynamic CP: sequences per size
             **(extra or {}),
         }
         if self.enabled:
@@ -128,6 +129,8 @@ def _console_text(r: dict) -> str:
         f"{text} | rank cost max/mean {r['rank_cost_max_over_mean']:.3f} | {r['tokens_per_s']:.0f} tok/s | useful "
         f"{r['useful_tokens']} / computed {r['padded_tokens']} tokens ({100 * r['utilization']:.1f}%) | "
         f"{r['microbatches_per_rank']} micro-batches/rank"
+        + (" | sequences per CP size " + " ".join(f"{k}:{n}" for k, n in r["cp_sizes"].items()) if "cp_sizes" in r
+           else "")
     )
 
 

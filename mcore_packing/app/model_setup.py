@@ -107,6 +107,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None):
         optimizer=optimizer,
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32 and dtype != torch.float32,
+        dynamic_cp=cfg.context_parallel.dynamic,
     )
 
 

@@ -52,7 +52,7 @@ from ..planning import (
     summarize,
 )
 from ..planning.report import summarize_dynamic_cp
-from .config import ConfigError, TrainConfig, check_shape_on_layout, plan_config, validate_layout
+from .config import ConfigError, TrainConfig, budget_key, check_shape_on_layout, plan_config, validate_layout
 from .recipes import RECIPES
 
 __all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
@@ -165,6 +165,7 @@ _KEYS = {
     "vpp": "parallel.vpp",
     "sp": "parallel.sequence_parallel",
     "fp8_recipe": "model.fp8_recipe",
+    "dynamic_cp": "context_parallel.dynamic",
     "global_batch_size": "training.global_batch_size",
     "micro_batch_size": "training.padded_micro_batch_rows",
     "balance": "training.balance",
@@ -239,9 +240,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-recipe", choices=sorted(FP8_ROW_ALIGNMENT),
                    help="model.fp8_recipe: pad each row so every rank's share suits FP8 GEMMs")  # fmt: skip
     p.add_argument("--order", choices=ORDERS, help="sequence_packing.microbatch_order")
-    p.add_argument("--dynamic-cp", action="store_true",
-                   help="also plan dynamic context parallelism (each sequence on the CP size it needs, up to --cp, "
-                   "--mb-tokens per rank) and compare its predicted step time with static CP")  # fmt: skip
+    p.add_argument("--dynamic-cp", action="store_true", default=None,
+                   help="context_parallel.dynamic=true: plan dynamic context parallelism (each sequence on the CP "
+                   "size it needs, up to --cp, --mb-tokens or context_parallel.max_tokens_per_rank per rank) and "
+                   "compare its predicted step time with static CP's plan, which the report shows")  # fmt: skip
     p.add_argument("--balance", choices=BALANCES, help="training.balance: how micro-batches go to DP ranks")
     recipes = ", ".join(sorted(RECIPES))
     p.add_argument("--recipe", help=f"start from a recipe of mcore_packing.app.recipes: {recipes}")
@@ -345,13 +347,14 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
     gbs, sizes, groups = cuts
     # the pad-to-longest baseline has the run's padded rows (the plan itself only uses them in padded mode)
     config = dataclasses.replace(config, padded_rows=cfg.training.padded_micro_batch_rows)
+    dynamic = _dynamic_cp(lengths, config, gbs, sizes, groups)
+    config = dataclasses.replace(config, dynamic_cp=False)  # the report: static CP, dynamic CP's baseline
     try:
         summary = summarize(lengths, config, global_batch_size=gbs, padded_rows=config.padded_rows,
                             model=config.cost_model, progress=not args.json, batch_sizes=sizes,
                             groups=groups)  # fmt: skip
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
-    dynamic = _dynamic_cp(args, lengths, config, gbs, sizes, groups)
     if args.png and not args.no_png:
         write_png(args.png, lengths, summary, config, source, dynamic)
     doc = _document(args, cfg, source, lengths, config, shape, summary, cuts)
@@ -363,17 +366,13 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
     return 0
 
 
-def _dynamic_cp(args, lengths, config: StepPlanConfig, gbs: int, sizes, groups) -> dict | None:
-    """`summarize_dynamic_cp` when --dynamic-cp is given (packing, CP > 1, no groups), else None."""
-    if not args.dynamic_cp:
+def _dynamic_cp(lengths, config: StepPlanConfig, gbs: int, sizes, groups) -> dict | None:
+    """`summarize_dynamic_cp` when the run has dynamic CP (``context_parallel.dynamic``, ``--dynamic-cp``;
+    its checks were the config's), else None."""
+    if not config.dynamic_cp:
         return None
-    if config.mode != "packing" or config.layout.cp == 1 or groups is not None:
-        raise PlanInputError(
-            "--dynamic-cp plans packed rows of single samples at --cp > 1: use --mode packing, --cp 2 or more, "
-            "and SFT data (DPO pairs and GRPO groups are not planned for it)."
-        )
     try:
-        return summarize_dynamic_cp(lengths, config, global_batch_size=gbs, batch_sizes=sizes)
+        return summarize_dynamic_cp(lengths, config, global_batch_size=gbs, batch_sizes=sizes, groups=groups)
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
 
@@ -382,7 +381,7 @@ def _other_lengths(args, cfg: TrainConfig, world: int):
     """``--lengths`` / ``--corpus``: the run's settings, the model's shape, consecutive global batches."""
     layout = validate_layout(cfg, world)
     shape = cfg.model.shape(cfg.data.vocab_size)
-    check_shape_on_layout(shape, layout)
+    check_shape_on_layout(shape, layout, dynamic_cp=cfg.context_parallel.dynamic)
     config = plan_config(cfg, layout)
     if args.lengths:
         source, lengths = args.lengths, load_lengths(args.lengths)
@@ -396,9 +395,9 @@ def _other_lengths(args, cfg: TrainConfig, world: int):
     if 0 < gbs < layout.dp:
         raise PlanInputError(f"--global-batch-size {gbs} is smaller than --dp {layout.dp}; every rank needs a sample.")
     if config.mode != "padded":
-        key = "sequence_packing" if config.mode == "packing" else "dynamic_batching"
         try:
-            config.check_fits(lengths, key=f"{key}.train_mb_tokens", fix="truncate or split those sequences upstream")
+            config.check_fits(lengths, key=budget_key(config, cfg=cfg),
+                              fix="truncate or split those sequences upstream")  # fmt: skip
         except ValueError as exc:
             raise PlanInputError(str(exc)) from None
     return source, lengths, config, shape, (gbs, None, None)

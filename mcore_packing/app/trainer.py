@@ -24,7 +24,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..planning import ModelShape, ParallelLayout, StepPlan, StepPlanConfig, plan_step
+from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
 from ..planning.hf_config import check_output_folder, check_safetensors
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from .algorithms import RunData, get_algorithm
@@ -94,7 +94,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
                     "; ".join(rebuilt))  # fmt: skip
     data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
-    check_shape_on_layout(shape, layout)
+    check_shape_on_layout(shape, layout, dynamic_cp=cfg.context_parallel.dynamic)
     if cfg.model.hf_path is not None:
         try:
             check_safetensors(cfg.model.hf_path)
@@ -223,7 +223,8 @@ def _announce(cfg: TrainConfig, setup, data: RunData, mode: str) -> None:
         log.info("lr schedule: %s", describe_schedule(cfg))
     print(
         f"[rank {setup.rank}/{setup.world_size}] host={os.uname().nodename} dp={pgs.dp_rank}/{pgs.dp_size} "
-        f"cp={pgs.cp_rank}/{pgs.cp_size} tp={cfg.parallel.tp} pp={cfg.parallel.pp} mode={mode} "
+        f"cp={pgs.cp_rank}/{pgs.cp_size}{' (dynamic)' if cfg.context_parallel.dynamic else ''} tp={cfg.parallel.tp} "
+        f"pp={cfg.parallel.pp} mode={mode} "
         f"algorithm={cfg.algorithm}",
         flush=True,
     )
@@ -273,15 +274,15 @@ def dry_run(cfg: TrainConfig) -> dict:
                  for ids, groups in passes]  # fmt: skip
     except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
         raise ConfigError(f"the first global batch: {exc}") from None
-    plan = plans[0] if len(plans) == 1 else StepPlan.chained(plans)
+    plan = plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)
     return {
         "world_size": world,
         "layout": inputs.layout.to_dict(),
         "algorithm": cfg.algorithm,
         "mode": inputs.step_config.mode,
+        "dynamic_cp": inputs.step_config.dynamic_cp,
         "row_capacity_tokens": plan.row_capacity,
-        "max_tokens_per_gpu_per_microbatch": max(mb.padded_tokens for r in plan.micro_batches for mb in r)
-        // inputs.layout.cp,
+        "max_tokens_per_gpu_per_microbatch": plan.stats()["max_tokens_per_rank"],
         "data": inputs.data.info,
         "parameters": {
             "total": inputs.shape.num_parameters(),

@@ -9,6 +9,7 @@ sequence or group count, so it is exact under packing, dynamic batching and any 
 - `dpo`: `DPOLoss` on a (chosen, rejected) pair (preference and SFT terms, metrics), for `PerGroup`.
 - `pg_config`: `ClippedPGConfig`, its settings (no torch: the trainer's ``loss_fn`` config group).
 - `rollouts`: rollouts checked, GRPO advantages, samples for the policy step (numpy).
+- `recording`: whether a loss call records its metrics (`muted` on all but one rank of a CP group).
 
 The torch parts load on first use, so ``from mcore_packing.losses import ClippedPGConfig`` (a config's
 dry run on a login node) does not import torch.

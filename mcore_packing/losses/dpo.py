@@ -7,7 +7,8 @@ A response's log-prob is summed over its target tokens (its token mean with ``av
 reference's the same way. The pair shares a micro-batch (plan with ``groups=pair_ids``); `PerGroup`
 averages over the pairs of the global batch. With the policy equal to the reference the margin is 0 and
 the preference loss is exactly log 2. `DPOLoss.metrics` accumulates the reward margin (``beta *
-margin``), the accuracy (margin > 0) and both loss terms as sums over the pairs this rank scored.
+margin``), the accuracy (margin > 0) and both loss terms as sums over the pairs this rank scored (one
+rank of each CP group records: `recording`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
+
+from .recording import recording
 
 __all__ = ["METRIC_KEYS", "DPOLoss", "dpo_pair_loss"]
 
@@ -58,13 +61,17 @@ class DPOLoss:
         sft = -response_logprob(lp_c, mask_c, average=self.sft_average)
         if self.sft_loss_weight:
             loss = loss + self.sft_loss_weight * sft
+        if recording():  # another rank of this micro-batch's CP group records it otherwise
+            self._record(preference, sft, reward_c, reward_r)
+        return loss
+
+    def _record(self, preference, sft, reward_c, reward_r) -> None:
         values = [float(v.detach()) for v in (preference, sft, reward_c - reward_r, reward_c, reward_r)]
         preference_value, sft_value, margin, chosen_value, rejected_value = values
         for key, value in (("pairs", 1.0), ("preference_loss", preference_value), ("sft_loss", sft_value),
                            ("reward_margin", margin), ("accuracy", float(margin > 0)),
                            ("chosen_reward", chosen_value), ("rejected_reward", rejected_value)):  # fmt: skip
             self.metrics[key] += value
-        return loss
 
 
 def response_logprob(logprobs: torch.Tensor, mask: torch.Tensor, *, average: bool) -> torch.Tensor:

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from .pg_config import ClippedPGConfig
+from .recording import recording
 
 __all__ = ["ClippedPGLoss"]
 
@@ -36,7 +37,8 @@ class ClippedPGLoss:
     ``generation_logprobs[i]`` (needed with the importance sampling correction). ``mask`` selects the
     response tokens. `metrics` sums the clipped tokens, approximate KL (k3 of old vs new), ratio and the
     KL estimate to the reference (with a KL penalty) over the tokens this rank computed the loss of
-    (every CP rank sees all of its samples; the caller reduces over DP and divides by ``tokens``).
+    (the step driver records on one rank of each CP group, `recording`; the caller sums over ranks and
+    divides by ``tokens``).
     """
 
     def __init__(
@@ -94,6 +96,8 @@ class ClippedPGLoss:
         return loss if self.config.token_level_loss else loss / weights.sum().clamp_min(1)
 
     def _record(self, log_ratio: torch.Tensor, kl: torch.Tensor | None, weights: torch.Tensor) -> None:
+        if not recording():  # another rank of this micro-batch's CP group records it
+            return
         ratio = torch.exp(log_ratio)
         outside = (ratio < 1 - self.config.ratio_clip_min) | (ratio > 1 + self.config.ratio_clip_max)
         self.metrics["tokens"] += float(weights.sum())

@@ -1,26 +1,30 @@
 """The dynamic-CP step: each row of a `planning.dynamic_cp.DynamicCPPlan` on its own CP sub-group.
 
-    groups = DynamicCPGroups.create(process_groups, max_cp=4)     # collective, once
-    plan = plan_dynamic_cp(lengths, DynamicCPConfig(max_tokens_per_rank=..., layout=layout))
-    result = forward_backward_dynamic_cp(model, samples, plan, process_groups, groups)  # then optimizer.step()
+    pgs = ProcessGroups.from_megatron().with_dynamic_cp()          # the sub-groups: collective, once
+    plan = plan_step(lengths, StepPlanConfig(..., dynamic_cp=True))  # a DynamicCPPlan
+    result = forward_backward(model, samples, plan, pgs, loss=...)   # then optimizer.step()
+    logprobs = compute_logprobs(model, samples, plan_step(..., forward_only=True), pgs)
+
+`schedule.forward_backward` and `schedule.compute_logprobs` hand a `DynamicCPPlan` to this module, so a
+step, a trainer or an RL loop runs static and dynamic CP through the same calls.
 
 Megatron is initialized with the run's largest CP size, so its DP x CP group is the plan's domain and
 DDP reduces the gradients over it once, at the end of the step, as under static CP. Each rank runs its
 rows (`DynamicCPPlan.for_rank`) in the plan's order through Megatron's schedule (pp=1): a row of CP size
 ``k`` on ranks ``first_rank .. first_rank + k - 1`` of the domain is built and cut like a static CP
 micro-batch of CP ``k`` (chunks ``p`` and ``2k - 1 - p`` of every sequence on the row's ``p``-th rank),
-its ``PackedSeqParams.cp_group`` is the row's sub-group (the attention gathers keys and values over it),
-and Megatron's RoPE gets the sub-group for the forward (`_patches.rope_cp_group`). The loss is normalized
-over the whole global batch (the totals are counted from the samples, which every rank holds), so the
-step's loss and gradients are those of the unpacked batch. Losses on the per-token weights only
-(`TokenMeanNLL`, `SequenceMeanNLL`); the unpacked-view losses are refused.
+with the row's sub-group as its ``cp`` group: ``PackedSeqParams.cp_group`` (the attention gathers keys
+and values over it), Megatron's RoPE for the forward (`_patches.rope_cp_group`), and the unpacked view's
+gather (`prepare.per_sample_logprobs`). The totals (target tokens, sequences, groups) are counted on each
+row's first rank and summed over DP x CP, so every loss (`TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`,
+`PerSample`, `PerGroup`) is normalized over the whole global batch, and the step's loss and gradients are
+those of the unpacked batch. Log-probs are written by each row's first rank and summed over DP x CP.
+Mixture-of-Experts models are refused (their router losses count over the run's static TP x CP group).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -30,40 +34,14 @@ from ..data.sample import SequenceSample
 from ..planning.dynamic_cp import CPRow, DynamicCPPlan
 from ..planning.layout import ParallelLayout
 from ..planning.step_config import StepPlanConfig
-from ..planning.step_plan import MicroBatchPlan, StepPlan
+from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from ._patches.rope_cp_group import rope_cp_group
-from .prepare import prepare_micro_batch, target_count
-from .process_groups import ProcessGroups, group_rank, group_size
-from .schedule import StepResult, _check_samples, _device, _step_loss
-from .step_loss import SequenceMeanNLL, StepLoss, TokenMeanNLL
+from .prepare import per_sample_logprobs, prepare_micro_batch, target_count
+from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
+from .step_loss import StepLoss
 
-__all__ = ["DynamicCPGroups", "forward_backward_dynamic_cp"]
-
-
-@dataclass(frozen=True)
-class DynamicCPGroups:
-    """A process group for every aligned group of ``k`` ranks of the DP x CP domain, for every CP size
-    ``k`` up to ``max_cp`` (singletons for ``k = 1``); ``rank`` is this rank's place in the domain."""
-
-    groups: dict
-    rank: int
-    size: int
-
-    @classmethod
-    def create(cls, process_groups: ProcessGroups, *, max_cp: int) -> DynamicCPGroups:
-        """Collective over the whole world (``torch.distributed.new_group`` is): every rank calls it."""
-        domain = process_groups.dp_cp
-        ranks = dist.get_process_group_ranks(domain) if domain is not None else [dist.get_rank()]
-        groups, k = {}, 1
-        while k <= max_cp:
-            for first in range(0, len(ranks), k):
-                groups[k, first] = dist.new_group(ranks[first : first + k])
-            k *= 2
-        return cls(groups=groups, rank=group_rank(domain), size=len(ranks))
-
-    def group(self, row: CPRow):
-        return self.groups[row.cp_size, row.first_rank]
+__all__ = ["compute_logprobs_dynamic_cp", "forward_backward_dynamic_cp"]
 
 
 def forward_backward_dynamic_cp(
@@ -71,22 +49,25 @@ def forward_backward_dynamic_cp(
     samples: Sequence[SequenceSample],
     plan: DynamicCPPlan,
     process_groups: ProcessGroups,
-    groups: DynamicCPGroups,
     *,
-    loss: StepLoss | None = None,
+    loss: StepLoss,
     forward_only: bool = False,
-    device: torch.device | str | None = None,
-) -> StepResult:
+    device: torch.device,
+    verify: bool = True,
+):
     """Forward and backward of this rank's rows (gradients reduced over DP x CP by Megatron's finalize);
     the optimizer step is the caller's. ``model``: one DDP-wrapped chunk at pp=1, built at CP =
-    ``plan.config.layout.cp``."""
-    loss = TokenMeanNLL() if loss is None else loss
-    _check(model, samples, plan, process_groups, groups, loss)
-    device = _device(device)
-    totals = _totals(samples)
+    ``plan.config.layout.cp``; ``process_groups`` with its dynamic-CP sub-groups. Called through
+    `schedule.forward_backward`, which checks the loss and the samples first."""
+    from .schedule import StepResult, _step_loss
+
+    groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
-    prepared = [_prepare_row(row, samples, plan, process_groups, groups, loss, totals, device) for row in mine]
-    per_token = bool(getattr(model.config, "calculate_per_token_loss", False))
+    totals = StepTotals.all_reduce(*_local_counts(plan, mine, groups.rank, samples), process_groups.dp_cp)
+    prepared = [_prepare_row(row, samples, plan, process_groups, loss.token_weights, totals, device) for row in mine]
+    from megatron.core.utils import get_model_config
+
+    per_token = bool(getattr(get_model_config(_chunk(model)), "calculate_per_token_loss", False))
 
     def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
         return megatron_loss_output(
@@ -109,46 +90,94 @@ def forward_backward_dynamic_cp(
     )
 
 
-def _check(model, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, groups, loss) -> None:
+def compute_logprobs_dynamic_cp(
+    model, samples: Sequence[SequenceSample], plan: DynamicCPPlan, process_groups: ProcessGroups, *,
+    device: torch.device, verify: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """`schedule.compute_logprobs` of a dynamic-CP plan: ``[N, S_max - 1]`` on every rank, each row's
+    samples written by the row's first rank (after the gather over its sub-group) and summed over DP x CP."""
+    groups = _check(model, plan, process_groups, verify=verify)
+    mine = plan.for_rank(groups.rank)
+    prepared = [_prepare_row(row, samples, plan, process_groups, None, None, device) for row in mine]
+    out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32)
+
+    def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
+        rows = per_sample_logprobs(prep, output.detach(), row_groups)
+        if row_groups.cp_rank == 0:  # every rank of the row holds the same gathered values: write them once
+            for sample, logprobs, _ in rows:
+                out[sample, : logprobs.numel()] = logprobs.cpu()
+        return output.new_zeros(()), {}
+
+    with torch.no_grad():
+        _run(model, prepared, loss_func, process_groups, forward_only=True)
+    if group_size(process_groups.dp_cp) > 1:
+        dist.all_reduce(out, group=process_groups.dp_cp)
+    return out
+
+
+def _check(model, plan: DynamicCPPlan, process_groups: ProcessGroups, *, verify: bool):
+    """The run can execute the plan: one chunk at pp=1, a dense model, the plan's domain, the sub-groups;
+    with ``verify``, every rank of the domain planned the same step. Returns the sub-groups."""
     if isinstance(model, list) and len(model) != 1:
         raise ValueError("dynamic CP runs one model chunk per rank (pp=1, vpp=1).")
     if process_groups.pp_size > 1:
         raise ValueError(f"dynamic CP runs at pp=1; this run has pp={process_groups.pp_size}.")
-    if group_size(process_groups.dp_cp) != plan.config.num_ranks or groups.size != plan.config.num_ranks:
+    from megatron.core.utils import get_model_config
+
+    if getattr(get_model_config(_chunk(model)), "num_moe_experts", None):
         raise ValueError(
-            f"the plan is for {plan.config.num_ranks} DP x CP ranks but this run has "
-            f"{group_size(process_groups.dp_cp)}; plan with the run's layout (dp x cp)."
+            "dynamic CP does not run Mixture-of-Experts models yet: their router losses and expert-load counts "
+            "are summed over the run's static TP x CP group, not a row's sub-group. Use static CP."
         )
-    _check_samples(samples, plan)
-    if not isinstance(loss, (TokenMeanNLL, SequenceMeanNLL)):
+    groups = process_groups.dynamic_cp
+    if groups is None:
         raise ValueError(
-            f"dynamic CP takes TokenMeanNLL or SequenceMeanNLL, got {type(loss).__name__}: the per-sample and "
-            "per-group losses read the unpacked view, not built for dynamic CP yet. Use static CP for them."
+            "this is a dynamic-CP plan but the process groups have no dynamic-CP sub-groups: pass "
+            "ProcessGroups.from_megatron().with_dynamic_cp() (build_policy(..., dynamic_cp=True) does)."
         )
+    domain = group_size(process_groups.dp_cp)
+    if domain != plan.num_ranks or groups.size != plan.num_ranks:
+        raise ValueError(
+            f"the plan is for {plan.num_ranks} DP x CP ranks but this run has {domain}; plan with the run's "
+            "layout (dp x cp)."
+        )
+    if verify and domain > 1:
+        verify_plan_across_ranks(plan, process_groups.dp_cp)
+    return groups
 
 
-def _totals(samples: Sequence[SequenceSample]) -> StepTotals:
-    """The global batch's learned target tokens and sequences with a target, counted from the samples
-    (every rank holds the batch: nothing to all-reduce; a batch with no target is refused as in a static step)."""
-    counts = [target_count(s) for s in samples]
-    return StepTotals.all_reduce(sum(counts), sum(n > 0 for n in counts), 0, None)
+def _local_counts(plan: DynamicCPPlan, mine: list[CPRow], rank: int, samples) -> tuple[int, int, int]:
+    """Target tokens, sequences with a target and the plan's groups of the rows this rank is the first
+    rank of (so a sum over the domain counts each row once; a group never spans rows)."""
+    tokens = sequences = 0
+    groups = set()
+    for row in mine:
+        if row.first_rank != rank:
+            continue
+        for i in row.sample_indices:
+            valid = target_count(samples[i])
+            tokens += valid
+            sequences += valid > 0
+            if plan.groups is not None:
+                groups.add(plan.groups[i])
+    return tokens, sequences, len(groups)
 
 
-def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups, groups: DynamicCPGroups, loss, totals,
+def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, normalization, totals,
                  device):  # fmt: skip
     """The row as a static micro-batch of CP ``row.cp_size`` whose CP group is the row's sub-group: the
     prepared micro-batch and the row's process groups."""
     cfg = plan.config
     layout = ParallelLayout(cp=row.cp_size, tp=cfg.layout.tp, sequence_parallel=cfg.layout.sequence_parallel)
     row_config = StepPlanConfig(mode="packing", train_mb_tokens=cfg.max_tokens_per_rank, layout=layout,
-                                sequence_length_round=cfg.sequence_length_round, fixed_length=False)  # fmt: skip
-    mb = MicroBatchPlan(row.sample_indices, (1, row.row_length), row.real_tokens, row.cost)
-    row_plan = StepPlan(config=row_config, forward_only=False, lengths=plan.lengths, micro_batches=((mb,),),
-                        row_capacity=row.cp_size * cfg.max_tokens_per_rank)  # fmt: skip
-    collection = copy.copy(process_groups.collection)
-    collection.cp = groups.group(row)
-    row_groups = ProcessGroups(collection)
-    prep = prepare_micro_batch(mb, samples, row_plan, row_groups, totals=totals, normalization=loss.token_weights,
+                                sequence_length_round=cfg.sequence_length_round, fp8_alignment=cfg.fp8_alignment,
+                                fixed_length=False)  # fmt: skip
+    mb = row.as_micro_batch()
+    row_plan = StepPlan(config=row_config, forward_only=plan.forward_only, lengths=plan.lengths,
+                        micro_batches=((mb,),), row_capacity=cfg.capacity(row.cp_size),
+                        groups=plan.groups)  # fmt: skip
+    row_groups = process_groups.for_cp_group(process_groups.dynamic_cp.group(row.cp_size, row.first_rank))
+    prep = prepare_micro_batch(mb, samples, row_plan, row_groups, totals=totals, normalization=normalization,
                                device=device)  # fmt: skip
     return prep, row_groups
 
@@ -164,11 +193,10 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
                                  packed_seq_params=prep.packed_seq_params)  # fmt: skip
         return output, partial(loss_func, prep, row_groups)
 
-    chunk = model[0] if isinstance(model, list) else model
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(prepared),
-        model=[chunk],
+        model=[_chunk(model)],
         num_microbatches=len(prepared),
         seq_length=max((prep.tokens.shape[1] for prep, _ in prepared), default=1),
         micro_batch_size=1,
@@ -177,3 +205,5 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
     )
 
 
+def _chunk(model):
+    return model[0] if isinstance(model, list) else model

@@ -58,15 +58,20 @@ def build_policy(
     optimizer: Callable | None = None,
     use_distributed_optimizer: bool = False,
     grad_reduce_in_fp32: bool = False,
+    dynamic_cp: bool = False,
 ) -> Policy:
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
     weights of ``hf_path`` (this rank's slices), else the seeded initialization; with ``optimizer`` its
-    optimizer and schedule, else frozen in eval mode."""
+    optimizer and schedule, else frozen in eval mode. ``dynamic_cp``: the process groups also carry the
+    CP sub-groups dynamic context parallelism runs its rows on (`ProcessGroups.with_dynamic_cp`; a
+    collective, every rank builds the policy)."""
     from .hf_weights import load_hf_weights
     from .model import build_gpt_chunks
     from .process_groups import group_rank
 
     process_groups = ProcessGroups.from_megatron()
+    if dynamic_cp:
+        process_groups = process_groups.with_dynamic_cp(layout.cp)
     chunks, _ = build_gpt_chunks(
         shape,
         layout,

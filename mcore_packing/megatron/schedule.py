@@ -22,6 +22,10 @@ Shapes for pipeline parallelism: packing mode sends ``[T/cp/(tp if sp), 1, hidde
 fixed row length (the default under PP) ``seq_length`` is the row capacity and ``micro_batch_size`` 1;
 with ``config.variable_seq_lengths`` Megatron exchanges shapes per micro-batch. Dynamic mode always
 needs variable sequence lengths under PP.
+
+Dynamic context parallelism: a `planning.dynamic_cp.DynamicCPPlan` (``plan_step`` with
+``StepPlanConfig(dynamic_cp=True)``) goes to `dynamic_cp` through the same two calls; ``process_groups``
+must carry the CP sub-groups (`ProcessGroups.with_dynamic_cp`).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..data.sample import SequenceSample
+from ..planning.dynamic_cp import DynamicCPPlan
 from ..planning.pipeline import check_interleaved_count
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
@@ -60,7 +65,7 @@ class StepResult:
 def forward_backward(
     model,
     samples: Sequence[SequenceSample],
-    plan: StepPlan,
+    plan: StepPlan | DynamicCPPlan,
     process_groups: ProcessGroups,
     *,
     loss: StepLoss | None = None,
@@ -83,6 +88,13 @@ def forward_backward(
         verify: check with one all-gather that every rank planned the same step.
     """
     loss = TokenMeanNLL() if loss is None else loss
+    if _is_dynamic_cp(plan):
+        from .dynamic_cp import forward_backward_dynamic_cp
+
+        _check_samples(samples, plan)
+        _check_loss(loss, plan)
+        return forward_backward_dynamic_cp(model, samples, plan, process_groups, loss=loss, forward_only=forward_only,
+                                           device=_device(device), verify=verify)  # fmt: skip
     model_config = _check_step(model, samples, plan)
     _check_loss(loss, plan)
     if verify and group_size(process_groups.dp_cp) > 1:
@@ -127,7 +139,7 @@ def forward_backward(
 def compute_logprobs(
     model,
     samples: Sequence[SequenceSample],
-    plan: StepPlan,
+    plan: StepPlan | DynamicCPPlan,
     process_groups: ProcessGroups,
     *,
     device: torch.device | str | None = None,
@@ -138,8 +150,14 @@ def compute_logprobs(
     Row ``i`` position ``j`` is ``log p(tokens_i[j + 1] | tokens_i[:j + 1])``. Forward-only through
     Megatron's schedule with the plan's (logprob) micro-batches. Every rank returns the full tensor: the
     last pipeline stage computes it, CP shards are gathered, DP ranks' rows are summed together, and the
-    result is broadcast over the pipeline.
+    result is broadcast over the pipeline. A dynamic-CP plan (`planning.dynamic_cp.DynamicCPPlan`) runs
+    each row on its CP sub-group (`dynamic_cp.compute_logprobs_dynamic_cp`).
     """
+    if _is_dynamic_cp(plan):
+        from .dynamic_cp import compute_logprobs_dynamic_cp
+
+        _check_samples(samples, plan)
+        return compute_logprobs_dynamic_cp(model, samples, plan, process_groups, device=_device(device))
     model_config = _check_step(model, samples, plan)
     device = _device(device)
     build = partial(prepare_micro_batch, totals=None, normalization=None, device=device,
@@ -212,6 +230,11 @@ def _forward_step(loss_func, process_groups: ProcessGroups):
         return output, partial(loss_func, prep)
 
     return forward_step
+
+
+def _is_dynamic_cp(plan) -> bool:
+    """Whether ``plan`` is a dynamic-CP plan (`planning.dynamic_cp.DynamicCPPlan`) rather than a `StepPlan`."""
+    return isinstance(plan, DynamicCPPlan)
 
 
 def _is_moe(model_config) -> bool:

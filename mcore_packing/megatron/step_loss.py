@@ -13,6 +13,9 @@ log-probs an unpacked forward gives. Each returns this rank's share of the step 
 the global count (`StepTotals`, all-reduced once per step over DP x CP) and, for the unpacked view, by
 CP, because every CP rank holds the same gathered values and the gather's backward adds their gradients.
 
+A loss function's per-step metrics (`losses.recording`) are recorded on the first rank of each micro-batch's
+CP group only, so a metric counts each sample alike whatever CP size its micro-batch ran on.
+
 A loss's normalization is its own (no option elsewhere changes it). `PerGroup` reads the groups from the
 plan (``plan_step(..., groups=ids)``), so the ids that keep a group in one micro-batch are the ids it
 averages over.
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..losses.recording import muted
 from ..thd.loss_weights import LossNormalization, StepTotals
 from .prepare import PreparedMicroBatch, per_sample_logprobs
 
@@ -146,8 +150,9 @@ class PerGroup(StepLoss):
         for item in per_sample_logprobs(prep, output, process_groups):
             members.setdefault(group_ids[item[0]], []).append(item)
         total = output.new_zeros((), dtype=torch.float32)
-        for items in members.values():
-            total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
+        with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group
+            for items in members.values():
+                total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
         return total / (self.global_count(totals) * process_groups.cp_size)
 
 
@@ -165,7 +170,8 @@ def _share_of_sum(prep, output, fn: Callable, process_groups, divisor: int, unit
     """``fn(sample_id, logprobs, mask)`` summed over the samples with at least one target, divided by
     ``divisor`` and by CP."""
     total = output.new_zeros((), dtype=torch.float32)
-    for sample_id, logprobs, mask in per_sample_logprobs(prep, output, process_groups):
-        if mask.numel() and mask.sum() > 0:
-            total = total + _check_scalar(fn(sample_id, logprobs, mask), unit)
+    with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group (`losses.recording`)
+        for sample_id, logprobs, mask in per_sample_logprobs(prep, output, process_groups):
+            if mask.numel() and mask.sum() > 0:
+                total = total + _check_scalar(fn(sample_id, logprobs, mask), unit)
     return total / (divisor * process_groups.cp_size)

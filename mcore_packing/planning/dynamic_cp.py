@@ -3,27 +3,31 @@
 Static CP cuts every sequence, even a 200-token one, into ``2 * cp`` chunks over ``cp`` ranks and pays
 the K/V exchange for it. Here, over the ``dp * cp`` ranks of a step (the DP x CP domain, indexed as
 Megatron's ``dp_cp`` group orders its ranks), a sequence gets the smallest power-of-two size ``k``
-(``1 <= k <= cp``) whose padded length (a multiple of ``2k`` for ``k > 1``) over ``k`` fits
-``max_tokens_per_rank``. Sequences of one size go into rows of ``k * max_tokens_per_rank`` tokens, and
-each row runs on an aligned group of ``k`` ranks (``first_rank`` a multiple of ``k``), cut into ``2k``
-chunks per sequence as static CP does.
+(``1 <= k <= cp``) whose padded length (a multiple of ``2k`` for ``k > 1``) fits a row of ``k``
+ranks: ``k * max_tokens_per_rank`` tokens, rounded down to the row multiple. Sequences of one size go
+into such rows, and each row runs on an aligned group of ``k`` ranks (``first_rank`` a multiple of
+``k``), cut into ``2k`` chunks per sequence as static CP does.
 
     config = DynamicCPConfig(max_tokens_per_rank=4096, layout=ParallelLayout(cp=4, dp=2))
     plan = plan_dynamic_cp(lengths, config)          # the same on every rank, no communication
     plan.for_rank(r)                                 # rank r's rows, in execution order
     plan.cp_size_counts()                            # {1: 412, 2: 31, 4: 5}: sequences per CP size
 
-Scheduling (list scheduling with synchronisation, one sequence at a time): the largest CP size first,
-then the most expensive sequence, each to the aligned group of ``k`` ranks that is free soonest (a row
-starts when all its ranks are free: its collectives join them), into the first of that group's rows
-with room or a new one; the CP-1 sequences come last and even out the ranks, so the slowest rank ends
-within about one sequence of the others. Every rank runs its rows in one global order (size by size,
-group by group), so two ranks that share rows meet them in the same order and nothing can deadlock.
-Then rows are split (between samples) on the ranks with the fewest micro-batches until every rank runs
-the same number. A row's cost on each of
-its ranks is `CostModel`'s per-rank attention-aware cost at CP ``k`` plus the CP exchange
-(`CostModel.cp_exchange`: the K/V tokens each rank receives and the exchange steps, zero at ``k = 1``).
-The predicted step time is the slowest rank's finish in that simulation.
+`planning.plan_step` returns this plan when its `StepPlanConfig` has ``dynamic_cp=True`` (the budget is
+the config's ``train_mb_tokens``, or ``logprob_mb_tokens`` for a forward-only pass), so a trainer plans
+static and dynamic CP through one call. ``groups`` (DPO pairs, GRPO responses to one prompt) keep their
+samples in one row: a group is one unit, and all its samples get the CP size the group's total needs.
+
+Scheduling (list scheduling with synchronisation, one unit at a time): the largest CP size first, then
+the most expensive unit, each to the aligned group of ``k`` ranks that is free soonest (a row starts
+when all its ranks are free: its collectives join them), into the first of that group's rows with room
+or a new one; the CP-1 units come last and even out the ranks, so the slowest rank ends within about
+one sequence of the others. Every rank runs its rows in one global order (size by size, group by
+group), so two ranks that share rows meet them in the same order and nothing can deadlock. Then rows
+are split (between units) on the ranks with the fewest micro-batches until every rank runs the same
+number. A row's cost on each of its ranks is `CostModel`'s per-rank attention-aware cost at CP ``k``
+plus the CP exchange (`CostModel.cp_exchange`: the K/V tokens each rank receives and the exchange
+steps, zero at ``k = 1``). The predicted step time is the slowest rank's finish in that simulation.
 
 Pipeline parallelism is refused: every pipeline stage would need the same sub-groups in step, which
 Megatron's schedules do not offer.
@@ -31,18 +35,38 @@ Megatron's schedules do not offer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from ..packing.validation import as_lengths
 from ..validators import require_positive_int
+from .balance import max_over_mean
 from .cost_model import CostModel
 from .layout import ParallelLayout
 from .padding import PaddingRule
-from .step_plan import micro_batch_cost
+from .step_config import StepPlanConfig
+from .step_plan import MicroBatchPlan, micro_batch_cost
 
-__all__ = ["CPRow", "DynamicCPConfig", "DynamicCPPlan", "plan_dynamic_cp", "simulate_rows"]
+__all__ = ["CPRow", "DynamicCPConfig", "DynamicCPPlan", "check_dynamic_cp_layout", "plan_dynamic_cp",
+           "simulate_rows"]  # fmt: skip
+
+
+def check_dynamic_cp_layout(layout: ParallelLayout, *, key: str = "context_parallel.dynamic", cp_key: str = "cp",
+                            pp_key: str = "pp") -> None:  # fmt: skip
+    """The layouts dynamic CP runs on: a power-of-two ``cp`` and ``pp = 1`` (ValueError naming ``key`` and
+    the layout's keys ``cp_key`` / ``pp_key``)."""
+    if layout.cp & (layout.cp - 1):
+        raise ValueError(f"{key} needs a power-of-two {cp_key} (sizes 1, 2, 4, ...); got {cp_key}={layout.cp}.")
+    if layout.pp > 1:
+        raise ValueError(
+            f"{key} runs at {pp_key}=1 (got {pp_key}={layout.pp}): every pipeline stage would have to switch CP "
+            f"sub-groups in step with the others, which Megatron's pipeline schedules do not do. Use {pp_key}=1, or "
+            "static CP."
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,28 +78,29 @@ class DynamicCPConfig:
         layout: the run's `ParallelLayout`; ``cp`` is the largest CP size (a power of two), ``dp * cp``
             ranks share the step. ``pp`` must be 1.
         sequence_length_round: per-sequence alignment on top of CP's ``2k``.
+        fp8_alignment: FP8's alignment of each rank's share of a row (`PaddingRule`), 1 when off.
         cost_model: per-rank cost (None: tokens, no attention term, no exchange).
     """
 
     max_tokens_per_rank: int
     layout: ParallelLayout
     sequence_length_round: int = 1
+    fp8_alignment: int = 1
     cost_model: CostModel | None = None
 
     def __post_init__(self):
         require_positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
         require_positive_int("sequence_length_round", self.sequence_length_round)
-        layout = self.layout
-        if layout.cp & (layout.cp - 1):
-            raise ValueError(
-                f"context_parallel.dynamic needs a power-of-two cp (sizes 1, 2, 4, ...); got cp={layout.cp}."
-            )
-        if layout.pp > 1:
-            raise ValueError(
-                f"context_parallel.dynamic runs at pp=1 (got pp={layout.pp}): every pipeline stage would have to "
-                "switch CP sub-groups in step with the others, which Megatron's pipeline schedules do not do. Use "
-                "pp=1, or static CP (context_parallel.dynamic=false)."
-            )
+        require_positive_int("fp8_alignment", self.fp8_alignment)
+        check_dynamic_cp_layout(self.layout)
+
+    @classmethod
+    def from_step_config(cls, config: StepPlanConfig, *, forward_only: bool = False) -> DynamicCPConfig:
+        """The dynamic-CP settings of a `StepPlanConfig`: its budget per rank for the pass
+        (``train_mb_tokens``, or ``logprob_mb_tokens`` when forward-only), layout, alignments, cost model."""
+        return cls(max_tokens_per_rank=config.budget(forward_only)[1], layout=config.layout,
+                   sequence_length_round=config.sequence_length_round, fp8_alignment=config.fp8_alignment,
+                   cost_model=config.cost_model)  # fmt: skip
 
     @property
     def num_ranks(self) -> int:
@@ -90,27 +115,42 @@ class DynamicCPConfig:
     def padding_rule(self, cp_size: int) -> PaddingRule:
         layout = self.layout
         return PaddingRule(cp_size=cp_size, tp_size=layout.tp, sequence_parallel=layout.sequence_parallel,
-                           sequence_length_round=self.sequence_length_round)  # fmt: skip
+                           sequence_length_round=self.sequence_length_round,
+                           fp8_alignment=self.fp8_alignment)  # fmt: skip
+
+    def capacity(self, cp_size: int) -> int:
+        """Tokens in one row of CP size ``cp_size``: ``cp_size * max_tokens_per_rank`` rounded down to the
+        row multiple (so the row's rounded length never exceeds the budget)."""
+        multiple = self.padding_rule(cp_size).total_multiple
+        return cp_size * self.max_tokens_per_rank // multiple * multiple
 
     def model(self) -> CostModel:
         return self.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
 
     def cp_sizes(self, lengths) -> np.ndarray:
-        """Each sample's CP size: the smallest whose padded length over the size fits the budget; a sample
-        that does not fit at ``cp`` is refused, naming it and the fix."""
+        """Each sample's CP size: the smallest whose padded length fits a row of that size; a sample that
+        does not fit at ``cp`` is refused, naming it and the fix."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        out = np.zeros(lengths.size, dtype=np.int64)
+        return self._unit_sizes([[i] for i in range(lengths.size)], lengths, what="sample")
+
+    def _unit_sizes(self, units: list[list[int]], lengths: np.ndarray, *, what: str = "group") -> np.ndarray:
+        """Each unit's CP size: the smallest whose row holds the unit's padded samples together."""
+        out = np.zeros(len(units), dtype=np.int64)
+        members = np.fromiter((i for u in units for i in u), dtype=np.int64)
+        unit_of = np.repeat(np.arange(len(units)), [len(u) for u in units])
         for k in self.sizes[::-1]:  # the smallest size that fits wins: write the large ones first
-            fits = self.padded(lengths, k) <= k * self.max_tokens_per_rank
-            out[fits] = k
+            totals = np.bincount(unit_of, weights=self.padded(lengths[members], k), minlength=len(units))
+            out[totals <= self.capacity(k)] = k
         if (out == 0).any():
-            i = int(np.flatnonzero(out == 0)[0])
+            u = int(np.flatnonzero(out == 0)[0])
             cp = self.layout.cp
-            need = -(-int(self.padded(lengths[i : i + 1], cp)[0]) // cp)
+            tokens = int(self.padded(lengths[units[u]], cp).sum())
+            need = -(-tokens // cp)
+            name = f"sample {units[u][0]} has {int(lengths[units[u][0]])} tokens" if what == "sample" else (
+                f"the group of samples {units[u]} has {tokens} padded tokens")  # fmt: skip
             raise ValueError(
-                f"sample {i} has {int(lengths[i])} tokens: more than cp={cp} ranks hold at max_tokens_per_rank="
-                f"{self.max_tokens_per_rank}. Raise max_tokens_per_rank to at least {need}, raise cp, or split the "
-                "sample upstream."
+                f"{name}: more than cp={cp} ranks hold at max_tokens_per_rank={self.max_tokens_per_rank}. Raise "
+                f"max_tokens_per_rank to at least {need}, raise cp, or split it upstream."
             )
         return out
 
@@ -136,22 +176,45 @@ class CPRow:
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.cp_size)
 
+    def as_micro_batch(self) -> MicroBatchPlan:
+        """The row as a static plan's micro-batch (its whole row, its cost on each of its ranks)."""
+        return MicroBatchPlan(self.sample_indices, (1, self.row_length), self.real_tokens, self.cost)
+
 
 @dataclass(frozen=True)
 class DynamicCPPlan:
-    """Rows in the one global execution order; every rank runs the rows that include it, in that order."""
+    """Rows in the one global execution order; every rank runs the rows that include it, in that order.
+    ``groups`` (the plan's group id per sample, or None) and ``forward_only`` as in `StepPlan`."""
 
     config: DynamicCPConfig
     lengths: tuple[int, ...]
     rows: tuple[CPRow, ...]
+    forward_only: bool = False
+    groups: tuple | None = None
 
     def for_rank(self, rank: int) -> list[CPRow]:
+        """Rank ``rank``'s rows (its place in the DP x CP domain), in execution order."""
         return [row for row in self.rows if rank in row.ranks]
+
+    @property
+    def num_ranks(self) -> int:
+        return self.config.num_ranks
 
     @property
     def num_microbatches(self) -> int:
         """Micro-batches per rank (the same on every rank)."""
         return len(self.for_rank(0))
+
+    @property
+    def micro_batches(self) -> tuple[tuple[MicroBatchPlan, ...], ...]:
+        """Each rank's rows as micro-batches (a row of CP size ``k`` appears on its ``k`` ranks), for what
+        reads a `StepPlan`'s: the metrics' slowest rank, the step-time history."""
+        return tuple(tuple(row.as_micro_batch() for row in self.for_rank(r)) for r in range(self.num_ranks))
+
+    @property
+    def row_capacity(self) -> int:
+        """The largest row: ``cp`` ranks' worth."""
+        return self.config.capacity(self.config.layout.cp)
 
     def cp_size_counts(self) -> dict[int, int]:
         """Sequences per CP size."""
@@ -162,11 +225,59 @@ class DynamicCPPlan:
 
     def rank_finish(self) -> np.ndarray:
         """Each rank's simulated finish time (`simulate_rows`)."""
-        return simulate_rows(self.rows, self.config.num_ranks)
+        return simulate_rows(self.rows, self.num_ranks)
 
     @property
     def predicted_step_time(self) -> float:
         return float(self.rank_finish().max())
+
+    def rank_costs(self) -> list[float]:
+        """Each rank's busy cost: its rows' costs (waiting for a row's other ranks not counted)."""
+        return [sum(row.cost for row in self.for_rank(r)) for r in range(self.num_ranks)]
+
+    def stats(self) -> dict:
+        """`StepPlan.stats`' keys (tokens per rank: a row's share on each of its ranks; the predicted step
+        cost: the synchronised simulation's slowest finish) and the sequences per CP size."""
+        real = sum(row.real_tokens for row in self.rows)
+        padded = sum(row.row_length for row in self.rows)
+        per_rank = np.zeros(self.num_ranks)
+        for row in self.rows:
+            per_rank[row.first_rank : row.first_rank + row.cp_size] += row.row_length / row.cp_size
+        return {
+            "rank_cost_max_over_mean": max_over_mean(self.rank_costs()),
+            "predicted_step_cost": self.predicted_step_time,
+            "num_microbatches_per_rank": self.num_microbatches,
+            "real_tokens": real,
+            "padded_tokens": padded,
+            "utilization": real / padded if padded else 1.0,
+            "rank_tokens_max_over_mean": max_over_mean(per_rank),
+            "max_tokens_per_rank": max(row.row_length // row.cp_size for row in self.rows),
+            "cp_sizes": self.cp_size_counts(),
+        }
+
+    def fingerprint(self) -> str:
+        """A hash of the inputs and the plan; equal on every rank that planned the same step."""
+        payload = {
+            "config": asdict(self.config),
+            "forward_only": self.forward_only,
+            "lengths": list(self.lengths),
+            "groups": [str(g) for g in self.groups or []],
+            "rows": [(row.sample_indices, row.cp_size, row.first_rank, row.row_length) for row in self.rows],
+        }
+        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
+
+    @classmethod
+    def chained(cls, plans: Sequence[DynamicCPPlan]) -> DynamicCPPlan:
+        """Plans of consecutive optimizer steps over consecutive slices of one sample list, as one plan for
+        reporting (a GRPO step's minibatches): rows one plan after the other, sample indices offset."""
+        offsets = np.cumsum([0, *(len(p.lengths) for p in plans)]).tolist()
+        rows = tuple(
+            CPRow(tuple(i + offset for i in row.sample_indices), row.cp_size, row.first_rank, row.row_length,
+                  row.real_tokens, row.cost)
+            for p, offset in zip(plans, offsets, strict=False) for row in p.rows
+        )  # fmt: skip
+        lengths = tuple(n for p in plans for n in p.lengths)
+        return cls(config=plans[0].config, lengths=lengths, rows=rows, forward_only=plans[0].forward_only)
 
 
 def simulate_rows(rows, num_ranks: int) -> np.ndarray:
@@ -178,92 +289,243 @@ def simulate_rows(rows, num_ranks: int) -> np.ndarray:
     return clock
 
 
-def plan_dynamic_cp(lengths, config: DynamicCPConfig) -> DynamicCPPlan:
-    """Plan one global batch under dynamic CP (see the module docstring)."""
+def plan_dynamic_cp(
+    lengths, config: DynamicCPConfig, *, groups: Sequence | None = None, forward_only: bool = False
+) -> DynamicCPPlan:
+    """Plan one global batch under dynamic CP (see the module docstring). ``groups``: a group id per
+    sample; a group's samples share one row."""
     lengths = as_lengths(lengths, np.iinfo(np.int64).max)
     if lengths.size == 0:
         raise ValueError("the global batch is empty; a step needs at least one sample.")
-    sizes = config.cp_sizes(lengths)
+    units = _units(groups, lengths.size)
+    sizes = config._unit_sizes(units, lengths, what="group" if groups is not None else "sample")
+    unit_of = np.empty(lengths.size, dtype=np.int64)
+    for u, members in enumerate(units):
+        unit_of[members] = u
+    for floor in config.sizes:  # a batch too small for equal counts: no unit below `floor` ranks, up to static CP
+        try:
+            rows = _schedule(units, np.maximum(sizes, floor), lengths, config, unit_of)
+            break
+        except ValueError:
+            if floor == config.layout.cp:
+                raise
+    return DynamicCPPlan(config=config, lengths=tuple(lengths.tolist()), rows=tuple(rows), forward_only=forward_only,
+                         groups=tuple(groups) if groups is not None else None)  # fmt: skip
+
+
+def _schedule(units, sizes: np.ndarray, lengths: np.ndarray, config: DynamicCPConfig, unit_of: np.ndarray):
+    """The units in rows of their sizes on the ranks (`_place`), then equal counts (`_equalize`)."""
     clock = np.zeros(config.num_ranks)
     rows: list[CPRow] = []
     for k in config.sizes[::-1]:  # the largest first: they join the most ranks, the small ones fill in after
-        members = np.flatnonzero(sizes == k)
-        if members.size:
-            rows += _place(members, k, lengths, config, clock)
-    return DynamicCPPlan(config=config, lengths=tuple(lengths.tolist()), rows=tuple(_equalize(rows, lengths, config)))
+        chosen = [units[u] for u in np.flatnonzero(sizes == k).tolist()]
+        if chosen:
+            rows += _place(chosen, k, lengths, config, clock)
+    return _equalize(rows, lengths, config, unit_of)
+
+
+def _units(groups, count: int) -> list[list[int]]:
+    """Samples grouped by id in first-appearance order; each sample alone without groups."""
+    if groups is None:
+        return [[i] for i in range(count)]
+    groups = list(groups)
+    if len(groups) != count:
+        raise ValueError(f"groups has {len(groups)} entries for {count} samples; give one group id per sample.")
+    members: dict = {}
+    for i, g in enumerate(groups):
+        members.setdefault(g, []).append(i)
+    return list(members.values())
 
 
 def _make_row(samples: list[int], cp_size: int, first_rank: int, lengths: np.ndarray, config: DynamicCPConfig):
     padded = config.padded(lengths[samples], cp_size)
-    rule = config.padding_rule(cp_size)
-    multiple = rule.total_multiple
+    multiple = config.padding_rule(cp_size).total_multiple
     row_length = int(-(-int(padded.sum()) // multiple) * multiple)
     cost = micro_batch_cost(padded, (1, row_length), "packing", cp_size, config.model())  # a static row's cost
     return CPRow(tuple(samples), cp_size, first_rank, row_length, int(lengths[samples].sum()), cost)
 
 
-def _place(members: np.ndarray, k: int, lengths: np.ndarray, config: DynamicCPConfig, clock: np.ndarray):
-    """The size-``k`` samples, most expensive first, each to the aligned group of ``k`` ranks that is free
+def _unit_cost(units: list[list[int]], k: int, lengths: np.ndarray, config: DynamicCPConfig):
+    """Each unit's padded tokens at size ``k`` and its cost on each of ``k`` ranks (sequences and exchange)."""
+    model = config.model()
+    per_token = model.cp_exchange(1, k) - model.cp_exchange(0, k)  # the exchange is linear in the row's tokens
+    padded = [config.padded(lengths[u], k) for u in units]
+    tokens = np.array([int(p.sum()) for p in padded], dtype=np.int64)
+    cost = np.array([float(model.sequence_cost(p, k).sum()) for p in padded]) + per_token * tokens
+    return tokens, cost
+
+
+def _place(units: list[list[int]], k: int, lengths: np.ndarray, config: DynamicCPConfig, clock: np.ndarray):
+    """The size-``k`` units, most expensive first, each to the aligned group of ``k`` ranks that is free
     soonest (the least idle on a tie), into the first of its rows with room or a new row; ``clock`` (each
     rank's finish) moves on. Returns the rows, group by group (groups of one size share no rank)."""
-    model, capacity = config.model(), k * config.max_tokens_per_rank
-    padded = config.padded(lengths[members], k)
-    per_token = model.cp_exchange(1, k) - model.cp_exchange(0, k)  # the exchange is linear in the row's tokens
-    cost = model.sequence_cost(padded, k) + per_token * padded
+    model, capacity = config.model(), config.capacity(k)
+    tokens, cost = _unit_cost(units, k, lengths, config)
     opening = model.per_microbatch + model.cp_exchange(0, k)  # what a new row adds on each of its ranks
     groups = clock.reshape(-1, k)
     ready, idle = groups.max(axis=1), (groups.max(axis=1)[:, None] - groups).sum(axis=1)
     rows: list[list[list]] = [[] for _ in ready]  # per group: [samples, tokens]
-    for j in np.lexsort((members, -cost)).tolist():
+    first = np.array([u[0] for u in units])
+    for j in np.lexsort((first, -cost)).tolist():
         g = int(np.lexsort((np.arange(ready.size), idle, ready))[0])
-        row = next((r for r in rows[g] if r[1] + padded[j] <= capacity), None)
+        row = next((r for r in rows[g] if r[1] + tokens[j] <= capacity), None)
         if row is None:
             row = [[], 0]
             rows[g].append(row)
             ready[g] += opening
-        row[0].append(int(members[j]))
-        row[1] += int(padded[j])
+        row[0].append(j)
+        row[1] += int(tokens[j])
         ready[g] += cost[j]
         idle[g] = 0.0
     out = []
     for g, group_rows in enumerate(rows):
         if group_rows:
-            built = [_make_row(sorted(r[0]), k, g * k, lengths, config) for r in group_rows]
+            built = [_make_row(sorted(i for j in r[0] for i in units[j]), k, g * k, lengths, config)
+                     for r in group_rows]  # fmt: skip
             ranks = slice(g * k, (g + 1) * k)
             clock[ranks] = clock[ranks].max() + sum(row.cost for row in built)
             out += built
     return out
 
 
-def _equalize(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig) -> list[CPRow]:
-    """Split rows (between samples) on the ranks with the fewest micro-batches until every rank runs the
-    same number: a CP-1 row of the rank first (only its count grows), else a row whose ranks all lag."""
+def _equalize(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, unit_of: np.ndarray) -> list[CPRow]:
+    """Give every rank the same number of micro-batches. First up to the most any rank has: split a row
+    (between units) on the ranks with the fewest (a CP-1 row of the rank first: only its count grows),
+    else give such a rank half of another rank's CP-1 row, else (counts two or more apart) move a row
+    there from ranks with the most, else run a row on twice its ranks (its CP size doubled: the new ranks
+    lag). When no rank can grow, down to the fewest: merge two rows on the same ranks with room for both.
+    Every rank runs its rows in the list's order, so any change to the list keeps one global order."""
+    capacity = {k: config.capacity(k) for k in config.sizes}
+    grow = True
     while True:
-        counts = np.zeros(config.num_ranks, dtype=np.int64)
-        for row in rows:
-            counts[row.first_rank : row.first_rank + row.cp_size] += 1
+        counts = _counts(rows, config.num_ranks)
         if counts.min() == counts.max():
             return rows
-        position = _row_to_split(rows, counts)
-        if position is None:
+        if grow:
+            position = _row_to_split(rows, counts, unit_of)
+            if position is not None:
+                rows[position : position + 1] = list(_halves(rows[position], lengths, config, unit_of))
+                continue
+            low = _lightest(rows, np.flatnonzero(counts == counts.min()), config.num_ranks)
+            donor = _splittable_single(rows, unit_of)
+            if donor is not None:
+                first, second = _halves(rows[donor], lengths, config, unit_of)
+                rows[donor : donor + 1] = [first, replace(second, first_rank=low)]
+                continue
+            if counts.max() - counts.min() >= 2 and _move_row(rows, counts, low):
+                continue
+            if _promote(rows, counts, lengths, config):
+                continue
+            grow = False
+        if not _merge_rows(rows, counts, capacity, lengths, config):
             raise ValueError(
                 f"cannot give the {config.num_ranks} ranks of dynamic CP the same number of micro-batches "
-                f"(they have {counts.min()} to {counts.max()}) without splitting a sample: put more samples in the "
-                "global batch, or lower max_tokens_per_rank."
+                f"(they have {counts.min()} to {counts.max()}) without splitting a sample or a group: put more "
+                "samples in the global batch, or lower max_tokens_per_rank."
             )
-        row = rows[position]
-        first, second = _halves(row, lengths, config)
-        rows[position : position + 1] = [first, second]
 
 
-def _row_to_split(rows: list[CPRow], counts: np.ndarray) -> int | None:
-    """The row to split: on a rank with the fewest micro-batches, of at least two samples, whose ranks all
+def _counts(rows: list[CPRow], num_ranks: int) -> np.ndarray:
+    counts = np.zeros(num_ranks, dtype=np.int64)
+    for row in rows:
+        counts[row.first_rank : row.first_rank + row.cp_size] += 1
+    return counts
+
+
+def _lightest(rows: list[CPRow], ranks: np.ndarray, num_ranks: int) -> int:
+    """Of ``ranks``, the one whose rows cost least (the first on a tie)."""
+    busy = np.zeros(num_ranks)
+    for row in rows:
+        busy[row.first_rank : row.first_rank + row.cp_size] += row.cost
+    return int(ranks[np.argmin(busy[ranks])])
+
+
+def _splittable_single(rows: list[CPRow], unit_of: np.ndarray) -> int | None:
+    """The most expensive CP-1 row of at least two units (its second half can run on another rank)."""
+    singles = [p for p, row in enumerate(rows)
+               if row.cp_size == 1 and len(set(unit_of[list(row.sample_indices)].tolist())) > 1]  # fmt: skip
+    return max(singles, key=lambda p: (rows[p].cost, -p)) if singles else None
+
+
+def _move_row(rows: list[CPRow], counts: np.ndarray, low: int) -> bool:
+    """Move the cheapest row whose ranks all have the most micro-batches to the aligned group of its size
+    holding rank ``low`` when all of that group's ranks have the fewest (a CP-1 row: to ``low``)."""
+    high = counts.max()
+    best = None
+    for position, row in enumerate(rows):
+        k = row.cp_size
+        target = low // k * k
+        if counts[row.first_rank : row.first_rank + k].min() < high or counts[target : target + k].max() > counts.min():
+            continue
+        if best is None or (row.cost, position) < best[0]:
+            best = ((row.cost, position), position, target)
+    if best is None:
+        return False
+    _, position, target = best
+    rows[position] = replace(rows[position], first_rank=target)
+    return True
+
+
+def _promote(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, config: DynamicCPConfig) -> bool:
+    """Run a row of CP size ``k < cp`` on the aligned group of ``2k`` ranks that holds it, when the ranks it
+    gains all have fewer micro-batches than the most: the cheapest such row whose new ranks include one
+    with the fewest. False when there is none."""
+    high, low = counts.max(), counts.min()
+    best = None
+    for position, row in enumerate(rows):
+        k = row.cp_size
+        if 2 * k > config.layout.cp:
+            continue
+        first = row.first_rank // (2 * k) * (2 * k)
+        gained = [r for r in range(first, first + 2 * k) if r not in row.ranks]
+        if counts[gained].max() >= high:
+            continue
+        key = (counts[gained].min() > low, row.cost, position)
+        if best is None or key < best[0]:
+            best = (key, position, first)
+    if best is None:
+        return False
+    _, position, first = best
+    rows[position] = _make_row(list(rows[position].sample_indices), 2 * rows[position].cp_size, first, lengths, config)
+    return True
+
+
+def _merge_rows(rows: list[CPRow], counts: np.ndarray, capacity: dict, lengths: np.ndarray,
+                config: DynamicCPConfig) -> bool:  # fmt: skip
+    """Merge the two cheapest rows on the same ranks, all of them above the fewest micro-batches, whose
+    samples fit one row; False when no two do."""
+    low = counts.min()
+    by_ranks: dict = {}
+    for position, row in enumerate(rows):
+        if counts[row.first_rank : row.first_rank + row.cp_size].min() > low:
+            by_ranks.setdefault((row.cp_size, row.first_rank), []).append(position)
+    best = None
+    for (k, _), positions in by_ranks.items():
+        ordered = sorted(positions, key=lambda p: (rows[p].cost, p))
+        for a_index, a in enumerate(ordered):
+            for b in ordered[a_index + 1 :]:
+                samples = sorted(rows[a].sample_indices + rows[b].sample_indices)
+                if int(config.padded(lengths[samples], k).sum()) <= capacity[k]:
+                    key = rows[a].cost + rows[b].cost
+                    if best is None or key < best[0]:
+                        best = (key, a, b, samples)
+                    break
+    if best is None:
+        return False
+    _, a, b, samples = best
+    rows[a] = _make_row(samples, rows[a].cp_size, rows[a].first_rank, lengths, config)
+    del rows[b]
+    return True
+
+
+def _row_to_split(rows: list[CPRow], counts: np.ndarray, unit_of: np.ndarray) -> int | None:
+    """The row to split: on a rank with the fewest micro-batches, of at least two units, whose ranks all
     have fewer than the most; the smallest CP size first, then the largest cost."""
     low, high = counts.min(), counts.max()
     lagging = set(np.flatnonzero(counts == low).tolist())
     best = None
     for position, row in enumerate(rows):
-        if len(row.sample_indices) < 2 or not lagging.intersection(row.ranks):
+        if len(set(unit_of[list(row.sample_indices)].tolist())) < 2 or not lagging.intersection(row.ranks):
             continue
         if counts[row.first_rank : row.first_rank + row.cp_size].max() >= high:
             continue
@@ -273,13 +535,16 @@ def _row_to_split(rows: list[CPRow], counts: np.ndarray) -> int | None:
     return None if best is None else best[1]
 
 
-def _halves(row: CPRow, lengths: np.ndarray, config: DynamicCPConfig) -> tuple[CPRow, CPRow]:
-    """The row's samples in two rows of about equal cost (largest first, each to the lighter half)."""
-    model = config.model()
-    samples = sorted(row.sample_indices, key=lambda i: (-int(lengths[i]), i))
+def _halves(row: CPRow, lengths: np.ndarray, config: DynamicCPConfig, unit_of: np.ndarray) -> tuple[CPRow, CPRow]:
+    """The row's units in two rows of about equal cost (the most expensive first, each to the lighter half)."""
+    members: dict = {}
+    for i in row.sample_indices:
+        members.setdefault(int(unit_of[i]), []).append(i)
+    units = list(members.values())
+    _, cost = _unit_cost(units, row.cp_size, lengths, config)
     halves, loads = ([], []), [0.0, 0.0]
-    for i in samples:
+    for j in sorted(range(len(units)), key=lambda j: (-cost[j], units[j][0])):
         side = 0 if loads[0] <= loads[1] else 1
-        halves[side].append(i)
-        loads[side] += float(model.sequence_cost(config.padded(lengths[[i]], row.cp_size), row.cp_size)[0])
+        halves[side].extend(units[j])
+        loads[side] += float(cost[j])
     return tuple(_make_row(sorted(h), row.cp_size, row.first_rank, lengths, config) for h in halves)

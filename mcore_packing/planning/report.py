@@ -238,28 +238,30 @@ def recommend_budget(
 
 
 def summarize_dynamic_cp(
-    lengths, config: StepPlanConfig, *, global_batch_size: int, batch_sizes: Sequence[int] | None = None
-) -> dict:
+    lengths, config: StepPlanConfig, *, global_batch_size: int, batch_sizes: Sequence[int] | None = None,
+    groups: Sequence | None = None,
+) -> dict:  # fmt: skip
     """Dynamic CP (`dynamic_cp.plan_dynamic_cp`, ``max_tokens_per_rank = config.train_mb_tokens``) on the
-    same batches as `summarize`, against ``config``'s static CP plan with the same cost model: sequences
-    per CP size, micro-batches per rank per step, and the predicted step time of both (summed over steps)."""
+    same batches as `summarize` (``groups``: a group id per sample, each group in one row), against
+    ``config``'s static CP plan with the same cost model: sequences per CP size, micro-batches per rank per
+    step, and the predicted step time of both (summed over steps)."""
     from .dynamic_cp import DynamicCPConfig, plan_dynamic_cp
 
     lengths = np.asarray(lengths, dtype=np.int64)
-    dynamic_config = DynamicCPConfig(max_tokens_per_rank=config.train_mb_tokens, layout=config.layout,
-                                     sequence_length_round=config.sequence_length_round,
-                                     cost_model=config.cost_model)  # fmt: skip
+    dynamic_config = DynamicCPConfig.from_step_config(config)
+    config = replace(config, dynamic_cp=False)  # the static plan to compare with
     sizes = {k: 0 for k in dynamic_config.sizes}
     static = dynamic = 0.0
     micro = 0
     bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
     for lo, hi in bounds:
-        plan = plan_dynamic_cp(lengths[lo:hi], dynamic_config)
+        part = None if groups is None else list(groups[lo:hi])
+        plan = plan_dynamic_cp(lengths[lo:hi], dynamic_config, groups=part)
         for k, n in plan.cp_size_counts().items():
             sizes[k] += n
         dynamic += plan.predicted_step_time
         micro += plan.num_microbatches
-        static_plan = plan_step(lengths[lo:hi], config)
+        static_plan = plan_step(lengths[lo:hi], config, groups=part)
         static += max(static_plan.rank_costs())
     return {
         "cp_sizes": sizes,

@@ -59,6 +59,11 @@ class StepPlanConfig:
         cost_model: per-sequence cost; None counts tokens (no attention term).
         cost_budget: packing only: also cap each row's cost (in `cost_model` units), or ``"auto"`` for
             5% above the mean row cost of token-only packing, so rows are even in work.
+        dynamic_cp: packing only: dynamic context parallelism (`planning.dynamic_cp`): each sequence on the
+            smallest power-of-two CP size (up to ``layout.cp``) whose row of that many ranks holds it at the
+            pass's budget per rank; `plan_step` then returns a `DynamicCPPlan`. Needs a power-of-two cp and
+            pp=1; ``algorithm``, ``balance`` and ``microbatch_order`` do not apply (the rows are scheduled
+            over the DP x CP ranks by cost).
     """
 
     mode: str = "packing"
@@ -76,6 +81,7 @@ class StepPlanConfig:
     balance: str = "cost"
     cost_model: CostModel | None = None
     cost_budget: float | str | None = None
+    dynamic_cp: bool = False
 
     def __post_init__(self):
         require_choice("mode", self.mode, MODES)
@@ -102,6 +108,24 @@ class StepPlanConfig:
                 f"fixed_length={self.fixed_length}): one shape per micro-batch is a packed row of the full "
                 "capacity. Use sequence packing without variable_seq_lengths, or set fixed_shape=false."
             )
+        if self.dynamic_cp:
+            self._check_dynamic_cp()
+
+    def _check_dynamic_cp(self) -> None:
+        from .dynamic_cp import check_dynamic_cp_layout
+
+        check_dynamic_cp_layout(self.layout, key="dynamic_cp")
+        if self.mode != "packing":
+            raise ValueError(
+                f"dynamic_cp plans packed THD rows on CP sub-groups: it needs mode='packing' (got mode={self.mode!r}). "
+                "Use sequence packing, or static CP for dynamic batching."
+            )
+        for name in ("fixed_shape", "cost_budget"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"{name} does not apply with dynamic_cp (its rows are sized per CP size and scheduled by cost); "
+                    f"unset {name} or use static CP."
+                )
 
     @classmethod
     def from_sections(

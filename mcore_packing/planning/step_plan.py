@@ -28,6 +28,7 @@ import heapq
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from .balance import assign_balanced, assign_round_robin, max_over_mean, order_m
 from .cost_model import CostModel
 from .rebalance import rebalance_units
 from .step_config import StepPlanConfig
+
+if TYPE_CHECKING:
+    from .dynamic_cp import DynamicCPPlan
 
 __all__ = ["MicroBatchPlan", "StepPlan", "micro_batch_cost", "plan_step"]
 
@@ -139,6 +143,8 @@ class StepPlan:
             "padded_tokens": padded,
             "utilization": real / padded if padded else 1.0,
             "rank_tokens_max_over_mean": max_over_mean(per_rank),
+            "max_tokens_per_rank": max((mb.padded_tokens for rank in self.micro_batches for mb in rank), default=0)
+            // self.config.layout.cp,
         }
 
 
@@ -148,17 +154,27 @@ def plan_step(
     *,
     forward_only: bool = False,
     groups: Sequence | None = None,
-) -> StepPlan:
+) -> StepPlan | DynamicCPPlan:
     """Plan one global batch (see the module docstring).
 
     ``groups``: optional group id per sample (DPO chosen/rejected pairs, GRPO responses to one prompt).
     Samples of a group always share a micro-batch, so a group is never split across micro-batches or
     ranks. Packing mode only.
+
+    With ``config.dynamic_cp`` the plan is a `dynamic_cp.DynamicCPPlan` (rows on CP sub-groups of the DP
+    x CP ranks, at the pass's budget per rank) instead of a `StepPlan`.
     """
     lengths = as_lengths(lengths, np.iinfo(np.int64).max)
     if lengths.size == 0:
         raise ValueError("the global batch is empty; a step needs at least one sample.")
     config.check_fits(lengths, forward_only=forward_only)
+    if config.dynamic_cp:
+        from .dynamic_cp import DynamicCPConfig, plan_dynamic_cp  # it builds on this module
+
+        if groups is not None:
+            config.check_groups_fit(lengths, groups, forward_only=forward_only)
+        return plan_dynamic_cp(lengths, DynamicCPConfig.from_step_config(config, forward_only=forward_only),
+                               groups=groups, forward_only=forward_only)  # fmt: skip
     capacity = config.row_capacity(forward_only)
     padded = config.padded_lengths(lengths)
     model = config.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")

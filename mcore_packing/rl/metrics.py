@@ -1,5 +1,6 @@
-"""Step metrics summed over every rank: each rank that scored a sample adds its sums (TP and CP ranks,
-which hold the same gathered values, add them alike), so ratios of two sums are exact means."""
+"""Step metrics summed over every rank: each rank that scored a sample adds its sums (the first rank of
+each CP group, `losses.recording`; TP ranks, which hold the same gathered values, add them alike), so
+ratios of two sums are exact means."""
 
 from __future__ import annotations
 

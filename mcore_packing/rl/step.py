@@ -113,7 +113,7 @@ def rl_step(
     metrics = _reduce_metrics(pg_loss.metrics, device)
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
-    plan = plans[0] if len(plans) == 1 else StepPlan.chained(plans)
+    plan = plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)  # StepPlan or DynamicCPPlan
     return RLStepResult(outcome.result.loss, metrics, advantages.tolist(), logprob_seconds, outcome.seconds, plan,
                         outcome, [o.result.loss for o in outcomes])  # fmt: skip
 

@@ -67,7 +67,7 @@ def check_data(cfg, data: RunData, step_config) -> None:
     """Every pair fits one micro-batch of the training pass."""
     pairs = pair_ids(len(data.samples))
     try:
-        step_config.check_groups_fit(list(data.sample_lengths()), pairs, key=budget_key(step_config))
+        step_config.check_groups_fit(list(data.sample_lengths()), pairs, key=budget_key(step_config, cfg=cfg))
     except ValueError as exc:
         raise ConfigError(f"dpo.pairs: {exc} (a pair shares one micro-batch)") from None
 

@@ -127,7 +127,7 @@ def check_data(cfg, data: RunData, step_config) -> None:
             f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
             "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
         )
-    key = budget_key(step_config, forward_only=True)
+    key = budget_key(step_config, forward_only=True, cfg=cfg)
     try:
         step_config.check_groups_fit(list(data.sample_lengths()), sample_groups(data), forward_only=True, key=key)
     except ValueError as exc:
