@@ -299,12 +299,15 @@ def _apply_negative_control(kind: str | None):
 
 
 def _record_cu_lengths(prepare) -> list[int]:
-    """Record the cu_seqlens length of every ``PackedSeqParams`` the builder makes (fixed-shape checks)."""
+    """Record the cu_seqlens length of every ``PackedSeqParams`` the builder makes (fixed-shape checks),
+    and after them each one's TransformerEngine CP fields as ``(local_cp_size, cp_group's size or None)``."""
     seen, build = [], prepare.to_packed_seq_params
 
     def recording(*args, **kwargs):
         params = build(*args, **kwargs)
         seen.append(params.cu_seqlens_q.numel())
+        group = getattr(params, "cp_group", None)
+        seen.append((getattr(params, "local_cp_size", None), None if group is None else group.size()))
         return params
 
     prepare.to_packed_seq_params = recording
@@ -418,7 +421,9 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 "stage_layers": stage_layers,
                 "logprobs": logprobs,
                 "call_sites": sorted({tuple(site) for item in gathered for site in item["call_sites"]}),
-                "cu_lengths": sorted(set(cu_lengths)),  # rank 0's cu_seqlens lengths, every micro-batch
+                # rank 0's cu_seqlens lengths and CP fields, every micro-batch
+                "cu_lengths": sorted({n for n in cu_lengths if isinstance(n, int)}),
+                "cp_fields": sorted({f for f in cu_lengths if isinstance(f, tuple)}, key=str),
                 "cp_sizes": plan.cp_size_counts() if cfg.get("dynamic_cp") else None,
             }
         )

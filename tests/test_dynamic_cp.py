@@ -276,3 +276,5 @@ def test_dynamic_cp_steps_match_the_unpacked_reference(reference):
         assert used == ({1, 2, 4} if cfg["cp"] == 4 else {1, 2}), result["cp_sizes"]
         if cfg.get("logprobs"):
             check_logprobs(result, reference)
+        if cfg["cp"] == 4:  # TransformerEngine's per-row fields: rank 0 ran rows of every size
+            assert result["cp_fields"] == [(1, None), (2, 2), (4, 4)], result["cp_fields"]

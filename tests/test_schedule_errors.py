@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -59,7 +60,7 @@ def test_sequence_loss_with_wrong_shape_names_what_was_expected():
     prep = types.SimpleNamespace(
         packed=batch, full_loss_mask=batch.loss_mask[0], sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths
     )
-    process_groups = types.SimpleNamespace(cp_size=1)
+    process_groups = types.SimpleNamespace(cp_size=1, cp_rank=0)
     output = torch.rand(1, batch.total_tokens)
     with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor for each sequence, got \(2,\)"):
         PerSequence(lambda lp, m: lp * m).micro_batch_sum(prep, output, process_groups, StepTotals(3, 2))
@@ -82,3 +83,26 @@ def test_nemo_rl_sections():
         StepPlanConfig.from_nemo_rl(dynamic_batching={"enabled": True, "algorithm": "ffd"})
     with pytest.raises(ValueError, match="enable one"):
         StepPlanConfig.from_nemo_rl()
+
+
+def test_a_dynamic_cp_plan_needs_its_sub_groups_one_dense_chunk_and_its_domain():
+    """`forward_backward` of a dynamic-CP plan refuses, before any collective, process groups without the
+    CP sub-groups, a Mixture-of-Experts model, several chunks, and a run whose DP x CP domain is not the
+    plan's (a world of one here: ``None`` groups are a single rank, as everywhere on the step path)."""
+    from mcore_packing.megatron import ProcessGroups
+    from mcore_packing.megatron.dynamic_cp import _check
+    from mcore_packing.megatron.process_groups import DynamicCPGroups
+
+    plan = plan_step([5, 9, 12, 3], StepPlanConfig(train_mb_tokens=16, layout=ParallelLayout(cp=2), dynamic_cp=True))
+    dense = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=None))
+    moe = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=4))
+    one_rank = ProcessGroups(types.SimpleNamespace(pp=None, dp_cp=None))
+    with pytest.raises(ValueError, match=r"no dynamic-CP sub-groups: pass ProcessGroups\.from_megatron\(\)"):
+        _check(dense, plan, one_rank, verify=False)
+    with pytest.raises(ValueError, match="does not run Mixture-of-Experts models yet"):
+        _check(moe, plan, one_rank, verify=False)
+    with pytest.raises(ValueError, match="one model chunk per rank"):
+        _check([dense, dense], plan, one_rank, verify=False)
+    groups = DynamicCPGroups(groups={}, rank=0, size=1, max_cp=1)
+    with pytest.raises(ValueError, match="the plan is for 2 DP x CP ranks but this run has 1"):
+        _check(dense, plan, dataclasses.replace(one_rank, dynamic_cp=groups), verify=False)

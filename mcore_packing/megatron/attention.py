@@ -133,9 +133,11 @@ class PackedCoreAttention(MegatronModule):
     def _thd(self, q, k, v, params) -> torch.Tensor:
         layout = thd_layout(params)
         # The micro-batch's CP group (`to_packed_seq_params` sets it: the run's, or under dynamic CP the
-        # row's sub-group), else the one this module was built with.
+        # row's sub-group; local_cp_size=1 without a group: no CP for this micro-batch), else the one this
+        # module was built with.
         group = getattr(params, "cp_group", None)
-        group = self.cp_group if group is None else group
+        if group is None and getattr(params, "local_cp_size", None) != 1:
+            group = self.cp_group
         cp_size = group.size() if group is not None else 1
         if cp_size == 1:
             if self._use_varlen(q):

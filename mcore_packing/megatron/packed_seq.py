@@ -90,7 +90,10 @@ def to_packed_seq_params(
     Megatron's THD RoPE switches to offset positions if this equals the whole row: it never does here
     unless the row holds a single sequence, where both modes agree). They always describe the whole
     packed row, also on a CP rank. ``cu_entries``: pad both cu_seqlens to this many entries with
-    zero-length sequences (fixed shapes, see the module docstring).
+    zero-length sequences (fixed shapes, see the module docstring). ``cp_group``: the micro-batch's CP
+    group (the run's, or under dynamic CP the row's sub-group), set with ``local_cp_size`` its size, as
+    TransformerEngine's attention reads them per micro-batch; a group of one rank is given as
+    ``local_cp_size=1`` and no group (TE's way to turn CP off for one micro-batch).
     """
     require_megatron()
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -115,6 +118,10 @@ def to_packed_seq_params(
     )
     if cp_group is not None and "cp_group" in fields:
         kwargs["cp_group"] = cp_group
+        if "local_cp_size" in fields:  # TransformerEngine's per-micro-batch CP (dynamic CP): the group's size;
+            kwargs["local_cp_size"] = cp_group.size()  # a micro-batch without CP is local_cp_size=1, no group
+            if kwargs["local_cp_size"] == 1:
+                kwargs["cp_group"] = None
     if "total_tokens" in fields:
         kwargs["total_tokens"] = batch.total_tokens  # the whole row: seq_idx covers it after the CP gather
     if "pad_between_seqs" in fields:

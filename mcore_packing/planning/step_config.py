@@ -117,8 +117,9 @@ class StepPlanConfig:
         check_dynamic_cp_layout(self.layout, key="dynamic_cp")
         if self.mode != "packing":
             raise ValueError(
-                f"dynamic_cp plans packed THD rows on CP sub-groups: it needs mode='packing' (got mode={self.mode!r}). "
-                "Use sequence packing, or static CP for dynamic batching."
+                f"dynamic_cp plans packed THD rows on CP sub-groups: it needs mode='packing' (got mode={self.mode!r}); "
+                "BSHD rows carry no PackedSeqParams to name a CP group per micro-batch. Use sequence packing, or "
+                "static CP for dynamic batching."
             )
         for name in ("fixed_shape", "cost_budget"):
             if getattr(self, name):

@@ -98,14 +98,9 @@ class StepPlan:
 
     def fingerprint(self) -> str:
         """A hash of the inputs and the plan; equal on every rank that planned the same step."""
-        payload = {
-            "config": asdict(self.config),
-            "forward_only": self.forward_only,
-            "lengths": list(self.lengths),
-            "groups": [str(g) for g in self.groups or []],
-            "micro_batches": [[(mb.sample_indices, mb.shape) for mb in rank] for rank in self.micro_batches],
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
+        return plan_fingerprint(
+            self, micro_batches=[[(mb.sample_indices, mb.shape) for mb in rank] for rank in self.micro_batches]
+        )
 
     @classmethod
     def chained(cls, plans: Sequence[StepPlan]) -> StepPlan:
@@ -146,6 +141,19 @@ class StepPlan:
             "max_tokens_per_rank": max((mb.padded_tokens for rank in self.micro_batches for mb in rank), default=0)
             // self.config.layout.cp,
         }
+
+
+def plan_fingerprint(plan, **planned) -> str:
+    """A hash of a plan's inputs (its config, pass, lengths and groups) and of ``planned`` (what it
+    decided, as JSON-able lists): `StepPlan.fingerprint`, `DynamicCPPlan.fingerprint`."""
+    payload = {
+        "config": asdict(plan.config),
+        "forward_only": plan.forward_only,
+        "lengths": list(plan.lengths),
+        "groups": [str(g) for g in plan.groups or []],
+        **planned,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
 
 
 def plan_step(
