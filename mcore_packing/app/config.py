@@ -450,8 +450,8 @@ def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
         raise ConfigError(
             f"{key}=true runs packed THD rows on CP sub-groups: set sequence_packing.enabled=true and "
             "dynamic_batching.enabled=false. Dynamic batching's padded BSHD rows carry no PackedSeqParams, so "
-            "neither TransformerEngine's attention nor Megatron's RoPE can take a CP group per micro-batch: they "
-            "run with static CP.", key=key,
+            "neither TransformerEngine's attention nor Megatron's RoPE (its BSHD table is sized by the static "
+            "context_parallel_size) can take a CP group per micro-batch: they run with static CP.", key=key,
         )  # fmt: skip
     for name in ("fixed_shape", "cost_budget"):
         if getattr(cfg.sequence_packing, name):
