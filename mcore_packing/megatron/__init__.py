@@ -8,12 +8,14 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
 - `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`,
   `build_gpt_chunks` (a stage's chunks under a virtual pipeline).
-- `dynamic_cp`: `DynamicCPGroups`, `forward_backward_dynamic_cp` (each planned row on its CP sub-group).
+- `dynamic_cp`: the step of a dynamic-CP plan (each planned row on its CP sub-group), reached through
+  `forward_backward` / `compute_logprobs`.
 - `_patches`: every change to megatron-core's or torch's behaviour, each tied to the megatron-core versions
   it applies to: `cpu_device_adapter()` (Megatron's hard-coded CUDA call sites redirected on CPU), the
   distributed optimizer's torch-Adam load repairs.
 - `process_groups`: `ProcessGroups` over Megatron's ``ProcessGroupCollection`` (the one reader of
-  ``parallel_state`` on the step path), `verify_plan_across_ranks`.
+  ``parallel_state`` on the step path; `with_dynamic_cp` adds dynamic CP's sub-groups, `DynamicCPGroups`),
+  `verify_plan_across_ranks`.
 - `prepare`: this rank's `PreparedMicroBatch`es, and `per_sample_logprobs` back from the output.
 - `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`.
 - `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
