@@ -119,6 +119,7 @@ def test_dynamic_cp_report_counts_every_sequence_once(tmp_path, capsys):
     dynamic = json.loads(out)["dynamic_cp"]
     assert dynamic["cp_sizes"] == {"1": 60, "2": 6, "4": 2}
     assert dynamic["static_over_dynamic"] > 0
+    assert dynamic["exchange_priced"] is False  # the config's FLOP model: the report says so
     png = tmp_path / "plan.png"
     code, out, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--mb-tokens", "512",
                        "--global-batch-size", "0", "--dynamic-cp", "--png", str(png), "--no-recommend")  # fmt: skip

@@ -551,6 +551,10 @@ def _print_dynamic_cp(d: dict, c: dict) -> None:
         f"{d['micro_batches_per_rank_per_step']:.1f} micro-batches per rank per step; predicted static / dynamic "
         f"step time {d['static_over_dynamic']:.3f}"
     )
+    if not d["exchange_priced"]:
+        print("    (this cost model counts FLOPs, which do not change with the CP size, and prices no key/value "
+              "exchange: dynamic CP's gain is the exchange it avoids; benchmarks/dynamic_cp.py prices NVLink and "
+              "InfiniBand)")  # fmt: skip
 
 
 def _count_rule(c: dict) -> str:

@@ -269,4 +269,5 @@ def summarize_dynamic_cp(
         "predicted_step_cost": dynamic / len(bounds),
         "static_predicted_step_cost": static / len(bounds),
         "static_over_dynamic": static / dynamic if dynamic else 1.0,
+        "exchange_priced": bool(float(dynamic_config.model().cp_exchange(1, 2)) > 0),  # else: FLOPs only
     }
