@@ -298,20 +298,20 @@ def _apply_negative_control(kind: str | None):
         raise ValueError(kind)
 
 
-def _record_cu_lengths(prepare) -> list[int]:
+def _record_cu_lengths(prepare) -> tuple[list[int], list[tuple]]:
     """Record the cu_seqlens length of every ``PackedSeqParams`` the builder makes (fixed-shape checks),
-    and after them each one's TransformerEngine CP fields as ``(local_cp_size, cp_group's size or None)``."""
-    seen, build = [], prepare.to_packed_seq_params
+    and its TransformerEngine CP fields as ``(local_cp_size, cp_group's size or None)``."""
+    lengths, cp_fields, build = [], [], prepare.to_packed_seq_params
 
     def recording(*args, **kwargs):
         params = build(*args, **kwargs)
-        seen.append(params.cu_seqlens_q.numel())
+        lengths.append(params.cu_seqlens_q.numel())
         group = getattr(params, "cp_group", None)
-        seen.append((getattr(params, "local_cp_size", None), None if group is None else group.size()))
+        cp_fields.append((getattr(params, "local_cp_size", None), None if group is None else group.size()))
         return params
 
     prepare.to_packed_seq_params = recording
-    return seen
+    return lengths, cp_fields
 
 
 def step_worker(rank, world_size, configs, samples, state_dict):
@@ -343,7 +343,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         importlib.reload(schedule)
         importlib.reload(dynamic)
         _apply_negative_control(cfg.get("negative"))
-        cu_lengths = _record_cu_lengths(prepare)
+        cu_lengths, cp_fields = _record_cu_lengths(prepare)
         tp, pp, cp, vpp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1), cfg.get("vpp", 1)
         _init(tp, pp, cp, vpp)
         dp = world_size // (tp * pp * cp)
@@ -422,8 +422,8 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 "logprobs": logprobs,
                 "call_sites": sorted({tuple(site) for item in gathered for site in item["call_sites"]}),
                 # rank 0's cu_seqlens lengths and CP fields, every micro-batch
-                "cu_lengths": sorted({n for n in cu_lengths if isinstance(n, int)}),
-                "cp_fields": sorted({f for f in cu_lengths if isinstance(f, tuple)}, key=str),
+                "cu_lengths": sorted(set(cu_lengths)),
+                "cp_fields": sorted(set(cp_fields), key=str),
                 "cp_sizes": plan.cp_size_counts() if cfg.get("dynamic_cp") else None,
             }
         )

@@ -37,7 +37,7 @@ from ..planning.step_config import StepPlanConfig
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from ._patches.rope_cp_group import rope_cp_group
-from .prepare import per_sample_logprobs, prepare_micro_batch, target_count
+from .prepare import count_targets, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
 from .step_loss import StepLoss
 
@@ -149,18 +149,8 @@ def _check(model, plan: DynamicCPPlan, process_groups: ProcessGroups, *, verify:
 def _local_counts(plan: DynamicCPPlan, mine: list[CPRow], rank: int, samples) -> tuple[int, int, int]:
     """Target tokens, sequences with a target and the plan's groups of the rows this rank is the first
     rank of (so a sum over the domain counts each row once; a group never spans rows)."""
-    tokens = sequences = 0
-    groups = set()
-    for row in mine:
-        if row.first_rank != rank:
-            continue
-        for i in row.sample_indices:
-            valid = target_count(samples[i])
-            tokens += valid
-            sequences += valid > 0
-            if plan.groups is not None:
-                groups.add(plan.groups[i])
-    return tokens, sequences, len(groups)
+    indices = (i for row in mine if row.first_rank == rank for i in row.sample_indices)
+    return count_targets(indices, samples, plan.groups)
 
 
 def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, normalization, totals,

@@ -207,14 +207,19 @@ def local_step_counts(
     """
     if process_groups.cp_rank != 0:
         return 0, 0, 0
+    indices = (i for mb in plan.for_rank(process_groups.dp_rank) for i in mb.sample_indices)
+    return count_targets(indices, samples, plan.groups)
+
+
+def count_targets(indices, samples: Sequence[SequenceSample], group_ids=None) -> tuple[int, int, int]:
+    """Valid target tokens, sequences with a target, and distinct group ids (0 without ``group_ids``) of
+    the samples at ``indices``: the local share of `StepTotals` (the static and the dynamic-CP step)."""
     tokens = sequences = 0
-    group_ids = plan.groups
     groups = set()
-    for mb in plan.for_rank(process_groups.dp_rank):
-        for i in mb.sample_indices:
-            valid = target_count(samples[i])
-            tokens += valid
-            sequences += valid > 0
-            if group_ids is not None:
-                groups.add(group_ids[i])
+    for i in indices:
+        valid = target_count(samples[i])
+        tokens += valid
+        sequences += valid > 0
+        if group_ids is not None:
+            groups.add(group_ids[i])
     return tokens, sequences, len(groups)

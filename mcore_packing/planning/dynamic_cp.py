@@ -53,7 +53,7 @@ from .cost_model import CostModel
 from .layout import ParallelLayout
 from .padding import PaddingRule
 from .step_config import StepPlanConfig
-from .step_plan import MicroBatchPlan, micro_batch_cost, plan_fingerprint
+from .step_plan import MicroBatchPlan, group_members, micro_batch_cost, plan_fingerprint
 
 __all__ = ["CPRow", "DynamicCPConfig", "DynamicCPPlan", "check_dynamic_cp_layout", "plan_dynamic_cp",
            "simulate_rows"]  # fmt: skip
@@ -131,14 +131,9 @@ class DynamicCPConfig:
     def model(self) -> CostModel:
         return self.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
 
-    def cp_sizes(self, lengths) -> np.ndarray:
-        """Each sample's CP size: the smallest whose padded length fits a row of that size; a sample that
-        does not fit at ``cp`` is refused, naming it and the fix."""
-        lengths = np.asarray(lengths, dtype=np.int64)
-        return self._unit_sizes([[i] for i in range(lengths.size)], lengths, what="sample")
-
-    def _unit_sizes(self, units: list[list[int]], lengths: np.ndarray, *, what: str = "group") -> np.ndarray:
-        """Each unit's CP size: the smallest whose row holds the unit's padded samples together."""
+    def unit_sizes(self, units: list[list[int]], lengths: np.ndarray, *, what: str = "group") -> np.ndarray:
+        """Each unit's (a sample's, or a group's) CP size: the smallest whose row holds the unit's padded
+        samples together; a unit that does not fit at ``cp`` is refused, naming it (``what``) and the fix."""
         out = np.zeros(len(units), dtype=np.int64)
         members = np.fromiter((i for u in units for i in u), dtype=np.int64)
         unit_of = np.repeat(np.arange(len(units)), [len(u) for u in units])
@@ -297,7 +292,7 @@ def plan_dynamic_cp(
     if lengths.size == 0:
         raise ValueError("the global batch is empty; a step needs at least one sample.")
     units = _units(groups, lengths.size)
-    sizes = config._unit_sizes(units, lengths, what="group" if groups is not None else "sample")
+    sizes = config.unit_sizes(units, lengths, what="group" if groups is not None else "sample")
     unit_of = np.empty(lengths.size, dtype=np.int64)
     for u, members in enumerate(units):
         unit_of[members] = u
@@ -324,16 +319,8 @@ def _schedule(units, sizes: np.ndarray, lengths: np.ndarray, config: DynamicCPCo
 
 
 def _units(groups, count: int) -> list[list[int]]:
-    """Samples grouped by id in first-appearance order; each sample alone without groups."""
-    if groups is None:
-        return [[i] for i in range(count)]
-    groups = list(groups)
-    if len(groups) != count:
-        raise ValueError(f"groups has {len(groups)} entries for {count} samples; give one group id per sample.")
-    members: dict = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    return list(members.values())
+    """Samples grouped by id (`group_members`); each sample alone without groups."""
+    return [[i] for i in range(count)] if groups is None else group_members(groups, count)
 
 
 def _make_row(samples: list[int], cp_size: int, first_rank: int, lengths: np.ndarray, config: DynamicCPConfig):
@@ -394,7 +381,6 @@ def _equalize(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, u
     there from ranks with the most, else run a row on twice its ranks (its CP size doubled: the new ranks
     lag). When no rank can grow, down to the fewest: merge two rows on the same ranks with room for both.
     Every rank runs its rows in the list's order, so any change to the list keeps one global order."""
-    capacity = {k: config.capacity(k) for k in config.sizes}
     grow = True
     while True:
         counts = _counts(rows, config.num_ranks)
@@ -416,7 +402,7 @@ def _equalize(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, u
             if _promote(rows, counts, lengths, config):
                 continue
             grow = False
-        if not _merge_rows(rows, counts, capacity, lengths, config):
+        if not _merge_rows(rows, counts, lengths, config):
             raise ValueError(
                 f"cannot give the {config.num_ranks} ranks of dynamic CP the same number of micro-batches "
                 f"(they have {counts.min()} to {counts.max()}) without splitting a sample or a group: put more "
@@ -489,8 +475,7 @@ def _promote(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, config:
     return True
 
 
-def _merge_rows(rows: list[CPRow], counts: np.ndarray, capacity: dict, lengths: np.ndarray,
-                config: DynamicCPConfig) -> bool:  # fmt: skip
+def _merge_rows(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, config: DynamicCPConfig) -> bool:
     """Merge the two cheapest rows on the same ranks, all of them above the fewest micro-batches, whose
     samples fit one row; False when no two do."""
     low = counts.min()
@@ -504,7 +489,7 @@ def _merge_rows(rows: list[CPRow], counts: np.ndarray, capacity: dict, lengths: 
         for a_index, a in enumerate(ordered):
             for b in ordered[a_index + 1 :]:
                 samples = sorted(rows[a].sample_indices + rows[b].sample_indices)
-                if int(config.padded(lengths[samples], k).sum()) <= capacity[k]:
+                if int(config.padded(lengths[samples], k).sum()) <= config.capacity(k):
                     key = rows[a].cost + rows[b].cost
                     if best is None or key < best[0]:
                         best = (key, a, b, samples)

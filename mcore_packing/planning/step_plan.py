@@ -276,11 +276,18 @@ def _units(groups, lengths: np.ndarray, config: StepPlanConfig, forward_only: bo
     if groups is None:
         return None
     groups = list(groups)
-    if len(groups) != lengths.size:
-        raise ValueError(f"groups has {len(groups)} entries for {lengths.size} samples; give one group id per sample.")
+    members = group_members(groups, lengths.size)  # one id per sample, checked before the budget check
     if config.mode == "padded":
         raise ValueError("groups keep samples together in one micro-batch: they need mode='packing' or 'dynamic'.")
     config.check_groups_fit(lengths, groups, forward_only=forward_only)
+    return members
+
+
+def group_members(groups, count: int) -> list[list[int]]:
+    """The samples of each group id, in the order ids first appear (``groups``: one id per sample)."""
+    groups = list(groups)
+    if len(groups) != count:
+        raise ValueError(f"groups has {len(groups)} entries for {count} samples; give one group id per sample.")
     members: dict = {}
     for i, g in enumerate(groups):
         members.setdefault(g, []).append(i)
