@@ -8,13 +8,16 @@ backward, at an interconnect's FLOPs per byte, and a latency per exchange step).
 cannot tell CP sizes apart (the FLOPs are the same), so the exchange is what the comparison measures;
 the table shows the assumption next to each number and a FLOPs-only row.
 
+Rows: packed THD rows (sequence packing) and, with ``--modes dynamic``, dynamic batching's padded BSHD
+rows (static CP against dynamic CP, both in that mode).
+
 Workloads: Megatron's dynamic-CP example (lognormal lengths, mean 1024, sigma 1.5, clipped to 128-8192,
 TP1 CP4, 2048 tokens per rank) and CHAMP conversations with a long-context budget (CP4, 2560 tokens per
 rank: the longest conversation needs all four), 16 samples per rank per step, 8 steps, at 8, 16, 32 and
 64 ranks; the model of Megatron's example (12 layers, width 2048, 16 heads without GQA: 8 KiB of keys and
 values per token and layer), Llama-3-8B and Llama-3.2-1B (GQA with 8 key/value heads: 4 and 2 KiB).
 
-    python benchmarks/dynamic_cp.py          # about a minute on 2 cores
+    python benchmarks/dynamic_cp.py          # about a minute on 2 cores (both row kinds)
 """
 
 from __future__ import annotations
@@ -72,22 +75,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="benchmarks/results/dynamic_cp.json")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--modes", nargs="+", choices=["packing", "dynamic"], default=["packing", "dynamic"],
+                        help="rows: packing (THD) and/or dynamic (dynamic batching's BSHD rows)")
     args = parser.parse_args(argv)
     run = run_config(args, cp=CP, steps=STEPS, samples_per_rank=PER_RANK, links=LINKS)
     rows = []
-    for workload, (draw, budget) in workloads().items():
-        for shape_name, shape in SHAPES.items():
-            for link, constants in LINKS.items():
-                model = CostModel.from_shape(shape).with_cp_exchange(shape, **constants)
-                for ranks in args.ranks:
-                    layout = ParallelLayout(cp=CP, dp=ranks // CP)
-                    config = StepPlanConfig(train_mb_tokens=budget, layout=layout, cost_model=model)
-                    s = summarize_dynamic_cp(batches(draw, ranks), config, global_batch_size=ranks * PER_RANK)
-                    ratio, sizes = s["static_over_dynamic"], s["cp_sizes"]
-                    rows.append({"workload": workload, "model": shape_name, "link": link, "ranks": ranks,
-                                 "static_over_dynamic": ratio, "cp_sizes": sizes})  # fmt: skip
-                    print(f"{workload:<42} {shape_name:<16} {link:<26} {ranks:>3} ranks: static / dynamic predicted "
-                          f"step time {ratio:.3f}  (sequences per CP size {sizes})", flush=True)  # fmt: skip
+    for mode in args.modes:
+        for workload, (draw, budget) in workloads().items():
+            for shape_name, shape in SHAPES.items():
+                for link, constants in LINKS.items():
+                    model = CostModel.from_shape(shape).with_cp_exchange(shape, **constants)
+                    for ranks in args.ranks:
+                        layout = ParallelLayout(cp=CP, dp=ranks // CP)
+                        config = StepPlanConfig(mode=mode, train_mb_tokens=budget, layout=layout, cost_model=model)
+                        s = summarize_dynamic_cp(batches(draw, ranks), config, global_batch_size=ranks * PER_RANK)
+                        ratio, sizes = s["static_over_dynamic"], s["cp_sizes"]
+                        rows.append({"mode": mode, "workload": workload, "model": shape_name, "link": link,
+                                     "ranks": ranks, "static_over_dynamic": ratio, "cp_sizes": sizes})  # fmt: skip
+                        print(f"{mode:<8} {workload:<42} {shape_name:<16} {link:<26} {ranks:>3} ranks: static / "
+                              f"dynamic predicted step time {ratio:.3f}  (sequences per CP size {sizes})",
+                              flush=True)  # fmt: skip
     write_results(args.out, run, rows)
     return 0
 

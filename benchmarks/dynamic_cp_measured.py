@@ -6,9 +6,11 @@ tokens per rank. Each step runs once with static CP (`plan_step`: every sequence
 and once with dynamic CP (`plan_step` with ``dynamic_cp=True``: each sequence on the CP size it needs),
 both through `forward_backward`, alternating, after one warm-up step of each; the ratio is taken in this
 one run. Four processes share the machine's cores, as they would share nothing on a GPU cluster: the
-number says which way the exchange goes on this machine, not by how much it goes on NVLink.
+number says which way the exchange goes on this machine, not by how much it goes on NVLink. ``--mode
+dynamic``: dynamic batching's padded BSHD rows, static against dynamic CP.
 
-    python benchmarks/dynamic_cp_measured.py          # about a minute on 2 cores
+    python benchmarks/dynamic_cp_measured.py                 # about a minute on 2 cores
+    python benchmarks/dynamic_cp_measured.py --mode dynamic
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def lengths_for(step: int, n: int):
     return np.clip(np.rint(rng.lognormal(np.log(256) - 1.5**2 / 2, 1.5, n)), 32, 2048).astype(np.int64)
 
 
-def worker(rank: int, port: int, steps: int, per_rank: int, out: dict) -> None:
+def worker(rank: int, port: int, steps: int, per_rank: int, mode: str, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
     import numpy as np
     import torch
@@ -61,8 +63,9 @@ def worker(rank: int, port: int, steps: int, per_rank: int, out: dict) -> None:
             lengths = lengths_for(step, per_rank * WORLD)
             rng = np.random.default_rng(step)
             samples = [SequenceSample(rng.integers(0, 512, int(n)).tolist()) for n in lengths]
-            static = plan_step(lengths, StepPlanConfig(train_mb_tokens=BUDGET, layout=layout))
-            dynamic = plan_step(lengths, StepPlanConfig(train_mb_tokens=BUDGET, layout=layout, dynamic_cp=True))
+            static = plan_step(lengths, StepPlanConfig(mode=mode, train_mb_tokens=BUDGET, layout=layout))
+            dynamic = plan_step(lengths, StepPlanConfig(mode=mode, train_mb_tokens=BUDGET, layout=layout,
+                                                        dynamic_cp=True))  # fmt: skip
             for name in ("static", "dynamic") if step % 2 else ("dynamic", "static"):
                 model.zero_grad_buffer()
                 dist.barrier()
@@ -77,11 +80,11 @@ def worker(rank: int, port: int, steps: int, per_rank: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
-def _entry(rank, port, steps, per_rank, path):
+def _entry(rank, port, steps, per_rank, mode, path):
     import json
 
     out: dict = {}
-    worker(rank, port, steps, per_rank, out)
+    worker(rank, port, steps, per_rank, mode, out)
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f)
@@ -97,21 +100,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each (after one warm-up)")
     parser.add_argument("--per-rank", type=int, default=16, help="samples per rank per step")
-    parser.add_argument("--out", default="benchmarks/results/dynamic_cp_measured.json")
+    parser.add_argument("--mode", choices=["packing", "dynamic"], default="packing",
+                        help="rows: packed THD (packing) or dynamic batching's BSHD rows (dynamic)")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results/dynamic_cp_measured[_dynamic].json")
     args = parser.parse_args(argv)
+    args.out = args.out or "benchmarks/results/dynamic_cp_measured{}.json".format("_dynamic" * (args.mode == "dynamic"))
     config = run_config(args, world=WORLD, cp=CP, max_tokens_per_rank=BUDGET)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "out.json")
-        mp.start_processes(_entry, args=(port, args.steps, args.per_rank, path), nprocs=WORLD, start_method="spawn")
+        mp.start_processes(_entry, args=(port, args.steps, args.per_rank, args.mode, path), nprocs=WORLD,
+                           start_method="spawn")  # fmt: skip
         with open(path) as f:
             out = json.load(f)
     static, dynamic = sum(out["times"]["static"]), sum(out["times"]["dynamic"])
     sizes = out["cp_sizes"]
-    print(f"4 gloo ranks, CP=4, {args.steps} steps: static CP {static:.2f} s, dynamic CP {dynamic:.2f} s; "
-          f"static / dynamic {static / dynamic:.2f}x (sequences per CP size {sizes})", flush=True)  # fmt: skip
+    print(f"4 gloo ranks, CP=4, {args.mode} rows, {args.steps} steps: static CP {static:.2f} s, dynamic CP "
+          f"{dynamic:.2f} s; static / dynamic {static / dynamic:.2f}x (sequences per CP size {sizes})",
+          flush=True)  # fmt: skip
     write_results(args.out, config, [{"static_s": static, "dynamic_s": dynamic, "static_over_dynamic": static / dynamic,
                                       "cp_sizes": out["cp_sizes"], "times": out["times"]}])  # fmt: skip
     return 0

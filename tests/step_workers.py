@@ -252,11 +252,23 @@ def collect_full_grads(model, layer_offset: int) -> dict:
     return grads
 
 
+_PATCHED: list = []  # (object, attribute, original) of the negative controls that patch a class or module
+
+
+def _patch(obj, name: str, value) -> None:
+    _PATCHED.append((obj, name, getattr(obj, name)))
+    setattr(obj, name, value)
+
+
 def _apply_negative_control(kind: str | None):
-    """Break one thing on purpose; the equivalence check must then fail."""
+    """Break one thing on purpose; the equivalence check must then fail. Undoes the previous config's
+    class and module patches first (the reloaded modules undo themselves)."""
     import mcore_packing.megatron.schedule as schedule
     from mcore_packing.thd import loss_weights as loss_module
 
+    while _PATCHED:
+        obj, name, original = _PATCHED.pop()
+        setattr(obj, name, original)
     if kind in (None, "batched_p2p"):  # batched_p2p: set in model_config
         return
     if kind == "no_global_normalization":
@@ -285,6 +297,24 @@ def _apply_negative_control(kind: str | None):
 
         _own_group(0)  # every rank creates the singleton groups now, in one order
         dynamic.prepare_micro_batch = partial(_own_rank_attention, dynamic.prepare_micro_batch)
+    elif kind == "bshd_rope_rank_reversed":  # dynamic CP, BSHD rows: Megatron slices the rotary table as
+        from megatron.core.models.common.embeddings import rotary_pos_embedding as rotary  # the mirrored rank
+
+        real = rotary.get_pos_emb_on_this_cp_rank
+        _patch(rotary, "get_pos_emb_on_this_cp_rank", lambda emb, dim, group: real(emb, dim, _ReversedRank(group)))
+    elif kind == "bshd_gather_over_own_rank":  # dynamic CP, BSHD rows split over the sub-group (RoPE right),
+        import torch.distributed as dist  # attention over this rank's part alone
+
+        from mcore_packing.megatron.attention import PackedCoreAttention
+
+        _own_group(0)  # every rank creates the singleton groups now, in one order
+        real_group = PackedCoreAttention._micro_batch_group
+
+        def own_group(self, params):
+            group = real_group(self, params)
+            return _own_group(dist.get_rank()) if group is not None and group.size() > 1 else group
+
+        _patch(PackedCoreAttention, "_micro_batch_group", own_group)
     elif kind == "contiguous_cp_split":
         # CP rank r keeps the r-th contiguous slice of the row instead of chunks r and 2*cp-1-r.
         import mcore_packing.megatron.prepare as prepare
@@ -312,6 +342,18 @@ def _record_cu_lengths(prepare) -> tuple[list[int], list[tuple]]:
 
     prepare.to_packed_seq_params = recording
     return lengths, cp_fields
+
+
+def _record_bshd_cp_fields(dynamic, cp_fields: list) -> None:
+    """Also record the CP fields of the params dynamic CP gives its BSHD rows (`bshd_cp_params`)."""
+    build = dynamic.bshd_cp_params
+
+    def recording(group):
+        params = build(group)
+        cp_fields.append((params.local_cp_size, None if params.cp_group is None else params.cp_group.size()))
+        return params
+
+    dynamic.bshd_cp_params = recording
 
 
 def step_worker(rank, world_size, configs, samples, state_dict):
@@ -344,6 +386,7 @@ def step_worker(rank, world_size, configs, samples, state_dict):
         importlib.reload(dynamic)
         _apply_negative_control(cfg.get("negative"))
         cu_lengths, cp_fields = _record_cu_lengths(prepare)
+        _record_bshd_cp_fields(dynamic, cp_fields)
         tp, pp, cp, vpp = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1), cfg.get("vpp", 1)
         _init(tp, pp, cp, vpp)
         dp = world_size // (tp * pp * cp)
@@ -625,8 +668,8 @@ class _ReversedRank:
         return self.group.size() - 1 - self.group.rank()
 
 
-def _reversed_rope(real_rope, chunk, group):
-    return real_rope(chunk, _ReversedRank(group))
+def _reversed_rope(real_rope, chunk, group, **kwargs):
+    return real_rope(chunk, _ReversedRank(group), **kwargs)
 
 
 def _own_rank_attention(real_prepare, mb, samples, plan, row_groups, **kwargs):

@@ -152,6 +152,10 @@ def test_dynamic_cp_small(tmp_path):
     proc = run("benchmarks/dynamic_cp.py", "--ranks", "8", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    flops_only = [r["static_over_dynamic"] for r in rows if r["link"] == "flops only"]
-    with_exchange = [r["static_over_dynamic"] for r in rows if r["link"] != "flops only"]
-    assert all(0.95 < r < 1.05 for r in flops_only) and all(r > 1.0 for r in with_exchange), rows
+    assert {r["mode"] for r in rows} == {"packing", "dynamic"}
+    ratio = {(r["mode"], r["workload"], r["model"], r["link"]): r["static_over_dynamic"] for r in rows}
+    for (mode, workload, model, link), value in ratio.items():
+        if link == "flops only":  # the same FLOPs; BSHD rows may pad less than static dynamic batching
+            assert 0.95 < value < (1.05 if mode == "packing" else 1.15), (mode, workload, model, value)
+        else:  # the exchange avoided is the gain
+            assert value > max(1.0, ratio[mode, workload, model, "flops only"]), (mode, workload, model, link, value)

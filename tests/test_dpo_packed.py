@@ -50,6 +50,7 @@ def test_packed_pairs_on_two_ranks_match_unpacked_dpo(reference):
         {"mode": "dynamic", "dpo": True, "pp": 2, "variable_seq_lengths": True, "train_mb_tokens": 64},
         # dynamic CP: each pair in one row, the pair's CP size the one its two sequences need together
         {"mode": "packing", "dpo": True, "cp": 2, "dynamic_cp": True, "train_mb_tokens": 40},
+        {"mode": "dynamic", "dpo": True, "cp": 2, "dynamic_cp": True, "train_mb_tokens": 40},  # BSHD rows
         {"mode": "packing", "dpo": True, "train_mb_tokens": 64, "wrong_pairs": True},  # negative control
     ]
     results = run_distributed(

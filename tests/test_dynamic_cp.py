@@ -10,6 +10,8 @@ by the order check.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -46,19 +48,30 @@ def shared_row_orders_agree(plan, num_ranks: int) -> bool:
     return True
 
 
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
 @pytest.mark.parametrize("dp,cp", [(1, 4), (2, 2), (2, 4), (4, 4), (1, 8)])
-def test_plans_meet_every_rule(dp, cp):
+def test_plans_meet_every_rule(dp, cp, mode):
+    """THD rows, and dynamic batching's BSHD rows: every sample padded to the row's width, the tightest
+    multiple of 2k above its longest sample, rows times width within the row's budget."""
     budget = 2048
     lengths = lognormal(24 * dp * cp, seed=dp * 10 + cp)
     lengths = lengths[lengths <= cp * budget]
-    config = DynamicCPConfig(max_tokens_per_rank=budget, layout=ParallelLayout(dp=dp, cp=cp), cost_model=MODEL)
+    config = DynamicCPConfig(max_tokens_per_rank=budget, layout=ParallelLayout(dp=dp, cp=cp), cost_model=MODEL,
+                             mode=mode)  # fmt: skip
     plan = plan_dynamic_cp(lengths, config)
     sizes = {}
     for row in plan.rows:
         k = row.cp_size
+        multiple = 2 * k if k > 1 else 1
         assert row.first_rank % k == 0 and row.first_rank + k <= dp * cp  # an aligned group of the domain
-        assert row.row_length <= k * budget and row.row_length % (2 * k if k > 1 else 1) == 0
+        assert row.row_length <= k * budget and row.row_length % multiple == 0
         assert row.real_tokens == int(lengths[list(row.sample_indices)].sum())
+        longest = int(lengths[list(row.sample_indices)].max())
+        if mode == "dynamic":
+            assert row.shape == (len(row.sample_indices), row.width) and row.row_length == row.shape[0] * row.width
+            assert row.width % multiple == 0 and longest <= row.width < longest + multiple
+        else:
+            assert row.width == 0 and row.shape == (1, row.row_length)
         sizes.update({i: k for i in row.sample_indices})
     assert sorted(sizes) == list(range(lengths.size))  # every sample exactly once
     smallest = [brute_force_size(int(n), budget, cp) for n in lengths]
@@ -132,6 +145,9 @@ def check_plan(plan, lengths, dp: int, cp: int, groups=None) -> dict:
         k = row.cp_size
         assert row.first_rank % k == 0 and row.first_rank + k <= dp * cp
         assert row.row_length <= plan.config.capacity(k) and row.row_length % (2 * k if k > 1 else 1) == 0
+        if row.width:  # BSHD rows: every sample padded to the width
+            assert row.row_length == len(row.sample_indices) * row.width
+            assert row.width >= int(np.asarray(lengths)[list(row.sample_indices)].max())
         assert row.real_tokens == int(np.asarray(lengths)[list(row.sample_indices)].sum())
         assert not set(row.sample_indices) & set(sizes)
         sizes.update({i: k for i in row.sample_indices})
@@ -144,7 +160,8 @@ def check_plan(plan, lengths, dp: int, cp: int, groups=None) -> dict:
     return sizes
 
 
-def test_small_batches_are_refused_only_where_static_cp_refuses_them_too():
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_small_batches_are_refused_only_where_static_cp_refuses_them_too(mode):
     """Small random batches (down to one sample per DP group, where equal counts are hardest): every plan
     keeps the rules (splitting, moving, promoting and merging rows, at worst every sample at the full CP
     size); a batch is refused only when static CP cannot give its DP ranks equal counts either."""
@@ -155,13 +172,13 @@ def test_small_batches_are_refused_only_where_static_cp_refuses_them_too():
         n = int(rng.integers(dp, 5 * dp * cp))
         lengths = rng.integers(1, cp * 64 - 2 * cp, n)
         layout = ParallelLayout(dp=dp, cp=cp)
-        config = DynamicCPConfig(max_tokens_per_rank=64, layout=layout, cost_model=MODEL)
+        config = DynamicCPConfig(max_tokens_per_rank=64, layout=layout, cost_model=MODEL, mode=mode)
         try:
             plan = plan_dynamic_cp(lengths, config)
         except ValueError as exc:
             assert "same number of micro-batches" in str(exc) and "more samples" in str(exc)
             with pytest.raises(ValueError):
-                plan_step(lengths, StepPlanConfig(train_mb_tokens=64, layout=layout))
+                plan_step(lengths, StepPlanConfig(train_mb_tokens=64, layout=layout, mode=mode))
             refused += 1
             continue
         check_plan(plan, lengths, dp, cp)
@@ -182,6 +199,12 @@ def test_groups_share_one_row_at_the_size_the_group_needs():
     assert plan.groups == tuple(groups)
     with pytest.raises(ValueError, match=r"the group of samples \[0, 1\] has 272 padded tokens.*at least 68"):
         plan_dynamic_cp([136, 136, 8, 8], config, groups=[0, 0, 1, 1])
+    # BSHD rows pad a group's samples to its longest: 60 + 4 fills one THD row of 64, but two rows of 60 need 2
+    pair = [60, 4, 10, 10, 10, 10, 10, 10]
+    pairs = [0, 0, 1, 1, 2, 2, 3, 3]
+    for mode, size in [("packing", 1), ("dynamic", 2)]:
+        plan = plan_dynamic_cp(pair, replace(config, mode=mode), groups=pairs)
+        assert check_plan(plan, pair, 1, 4, pairs)[0] == size, mode
 
 
 def test_plan_step_with_dynamic_cp_plans_both_passes_and_reports_like_a_step_plan():
@@ -208,7 +231,7 @@ def test_plan_step_with_dynamic_cp_plans_both_passes_and_reports_like_a_step_pla
     chained = type(train).chained([train, logprob])
     assert chained.lengths == train.lengths + logprob.lengths
     assert sorted(i for row in chained.rows for i in row.sample_indices) == list(range(2 * lengths.size))
-    for bad, fragment in [({"mode": "dynamic"}, "needs mode='packing'"),
+    for bad, fragment in [({"mode": "padded"}, "mode='padded' pads every micro-batch"),
                           ({"fixed_shape": True}, "fixed_shape does not"),
                           ({"cost_budget": "auto"}, "cost_budget does not"),
                           ({"layout": ParallelLayout(cp=2, pp=2)}, "dynamic_cp runs at pp=1")]:  # fmt: skip
@@ -247,6 +270,12 @@ STEPS = [
     {"tp": 2, "sp": True, "cp": 2, "dynamic_cp": True, "train_mb_tokens": 24},
     {"cp": 4, "dynamic_cp": True, "train_mb_tokens": 16, "negative": "rope_rank_reversed"},
     {"cp": 4, "dynamic_cp": True, "train_mb_tokens": 16, "negative": "gather_over_own_rank"},
+    # dynamic batching: padded BSHD rows per CP size, each on its sub-group
+    {"cp": 4, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 16, "logprobs": True},
+    {"cp": 2, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 24, "normalization": "sequence_mean"},
+    {"tp": 2, "sp": True, "cp": 2, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 24},
+    {"cp": 4, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 16, "negative": "bshd_rope_rank_reversed"},
+    {"cp": 4, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 16, "negative": "bshd_gather_over_own_rank"},
 ]
 
 
@@ -254,10 +283,10 @@ STEPS = [
 def test_dynamic_cp_steps_match_the_unpacked_reference(reference):
     """Each row on its own CP sub-group (K/V gathered over it, RoPE placed by it, the 2k-chunk split),
     gradients reduced over DP x CP once, the loss normalized over the global batch: loss <= 1e-6 and
-    gradients <= 1e-5 against one sequence per forward in one process; log-probs too. Two negative
-    controls: RoPE positions placed as the mirrored rank of the same sub-group would, and a row split over
-    its sub-group whose keys and values are gathered over the wrong group (this rank alone): both move
-    the gradients far off."""
+    gradients <= 1e-5 against one sequence per forward in one process; log-probs too. Packed THD rows and
+    dynamic batching's BSHD rows. Negative controls, for both: RoPE positions placed as the mirrored rank
+    of the same sub-group would, and a row split over its sub-group whose keys and values are gathered
+    over the wrong group (this rank alone): each moves the gradients far off."""
     from .distributed_harness import run_distributed
     from .test_step_equivalence import SAMPLES, check_logprobs, errors
 
@@ -276,5 +305,6 @@ def test_dynamic_cp_steps_match_the_unpacked_reference(reference):
         assert used == ({1, 2, 4} if cfg["cp"] == 4 else {1, 2}), result["cp_sizes"]
         if cfg.get("logprobs"):
             check_logprobs(result, reference)
-        if cfg["cp"] == 4:  # TransformerEngine's per-row fields: rank 0 ran rows of every size
-            assert result["cp_fields"] == [(1, None), (2, 2), (4, 4)], result["cp_fields"]
+        if cfg["cp"] == 4:  # TransformerEngine's per-row fields: rank 0 ran rows of every size; a BSHD row
+            one = (1, 1) if cfg.get("mode") == "dynamic" else (1, None)  # of one rank keeps its group (RoPE)
+            assert result["cp_fields"] == [one, (2, 2), (4, 4)], result["cp_fields"]

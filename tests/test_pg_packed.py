@@ -100,6 +100,9 @@ def test_pg_on_cp2_dp2_tp2_pp2_dynamic_pp2_and_dynamic_cp_equals_unpacked(refere
         # Dynamic CP: rows of CP size 1 and 2 (CP4: 2 and 4 too) on sub-groups; the unpacked view gathered per row.
         {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 4, "dynamic_cp": True, "train_mb_tokens": 12},
         {"mode": "packing", "pg": PG_CONFIGS[1], "cp": 2, "dynamic_cp": True, "train_mb_tokens": 16},
+        # ... and with dynamic batching's BSHD rows
+        {"mode": "dynamic", "pg": PG_CONFIGS[0], "cp": 4, "dynamic_cp": True, "train_mb_tokens": 12},
+        {"mode": "dynamic", "pg": PG_CONFIGS[1], "cp": 2, "dynamic_cp": True, "train_mb_tokens": 16},
         # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
         {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 2, "train_mb_tokens": 64,
          "negative_pg": "per_microbatch_normalization"},
@@ -113,7 +116,7 @@ def test_pg_on_cp2_dp2_tp2_pp2_dynamic_pp2_and_dynamic_cp_equals_unpacked(refere
         timeout=900,
     )[0]
     *good, wrong = results
-    for result, ref in zip(good, reference["pg"] * 4, strict=True):
+    for result, ref in zip(good, reference["pg"] * 5, strict=True):
         _check(result, ref)
         if result["config"].get("dynamic_cp"):
             used = {k for k, n in result["cp_sizes"].items() if n}

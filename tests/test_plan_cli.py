@@ -137,8 +137,12 @@ def test_dynamic_cp_report_counts_every_sequence_once(tmp_path, capsys):
     code, _, err = run(capsys, "--lengths", str(lengths), "--mb-tokens", "4096", "--dynamic-cp", "--no-png")
     assert code == 2 and "--dynamic-cp=true picks a CP size per sequence up to parallel.cp, which is 1" in err
     code, _, err = run(capsys, "--lengths", str(lengths), "--cp", "2", "--dp", "1", "--dynamic-cp", "--mode",
-                       "dynamic", "--no-png")  # fmt: skip
-    assert code == 2 and "set sequence_packing.enabled=true and dynamic_batching.enabled=false" in err
+                       "padded", "--no-png")  # fmt: skip
+    assert code == 2 and "runs packed THD rows (sequence_packing.enabled=true) or dynamic batching's BSHD" in err
+    # dynamic batching: BSHD rows per CP size, every sequence once
+    code, out, _ = run(capsys, "--lengths", str(lengths), "--cp", "4", "--dp", "2", "--mb-tokens", "512", "--mode",
+                       "dynamic", "--global-batch-size", "0", "--dynamic-cp", "--json", "--no-recommend")  # fmt: skip
+    assert code == 0 and sum(json.loads(out)["dynamic_cp"]["cp_sizes"].values()) == 68
     code, _, err = run(capsys, "--lengths", str(lengths), "--cp", "2", "--dp", "1", "--mb-tokens", "512",
                        "--global-batch-size", "0", "--dynamic-cp", "--no-png", "--no-recommend")  # fmt: skip
     assert code == 2 and "the longest is sample 66 with 1900 tokens" in err and "at least 950" in err  # one check

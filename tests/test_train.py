@@ -155,8 +155,8 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
          "needs a power-of-two parallel.cp"),
         (["parallel.cp=2", "parallel.pp=2", "context_parallel.dynamic=true"], 4,
          "context_parallel.dynamic runs at parallel.pp=1 (got parallel.pp=2)"),
-        (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.enabled=false",
-          "dynamic_batching.enabled=true"], 2, "set sequence_packing.enabled=true and dynamic_batching.enabled=false"),
+        (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.enabled=false"], 2,
+         "context_parallel.dynamic=true runs packed THD rows (sequence_packing.enabled=true) or dynamic batching"),
         (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.fixed_shape=true"], 2,
          "sequence_packing.fixed_shape does not apply with context_parallel.dynamic=true"),
         (["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=100"], 2,
@@ -220,13 +220,16 @@ def test_torchrun_two_ranks(tmp_path, parallel):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_dynamic_cp_trains_with_the_single_rank_losses(tmp_path):
-    """context_parallel.dynamic on 2 ranks (CP2, 768 tokens per rank): conversations over 768 tokens run on
-    both ranks, the others on one; every step's loss equals a single rank's (the step is exact), and the
-    metrics say which CP sizes ran."""
+@pytest.mark.parametrize("rows", ["packing", "dynamic_batching"])
+def test_dynamic_cp_trains_with_the_single_rank_losses(tmp_path, rows):
+    """context_parallel.dynamic on 2 ranks (CP2, 768 tokens per rank), with packed THD rows and with dynamic
+    batching's BSHD rows: conversations over 768 tokens run on both ranks, the others on one; every step's
+    loss equals a single rank's (the step is exact), and the metrics say which CP sizes ran."""
     single = train(tmp_path / "single", "training.steps=3")
     assert single.returncode == 0, single.stderr[-3000:]
     dynamic = ["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=768"]
+    if rows == "dynamic_batching":
+        dynamic += ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"]
     proc = train(tmp_path / "dynamic", "training.steps=3", *dynamic, torchrun=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cp=1/2 (dynamic)" in proc.stdout

@@ -217,11 +217,12 @@ class ContextParallelConfig:
     """Dynamic context parallelism (`planning.dynamic_cp`): with ``dynamic=true`` every sequence runs on
     the smallest power-of-two CP size (up to ``parallel.cp``) whose row of that many ranks holds it, so
     short sequences run data-parallel and only long ones pay CP's key/value exchange. Needs sequence
-    packing, a power-of-two ``parallel.cp >= 2`` and ``parallel.pp=1``."""
+    packing (THD rows) or dynamic batching (BSHD rows), a power-of-two ``parallel.cp >= 2`` and
+    ``parallel.pp=1``."""
 
     dynamic: bool = False
-    # tokens one rank holds of a row (Megatron's max_seqlen_per_dp_cp_rank); null: the packing budgets
-    # (sequence_packing.train_mb_tokens, and logprob_mb_tokens for log-prob passes); set: both passes
+    # tokens one rank holds of a row (Megatron's max_seqlen_per_dp_cp_rank); null: the enabled section's
+    # budgets (train_mb_tokens, and logprob_mb_tokens for log-prob passes); set: both passes
     max_tokens_per_rank: int | None = None
 
     def __post_init__(self):
@@ -433,7 +434,8 @@ def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
 
 
 def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
-    """``context_parallel.dynamic``: packed rows, a power-of-two cp of at least 2, pp=1, no fixed shapes."""
+    """``context_parallel.dynamic``: packed or dynamic-batching rows, a power-of-two cp of at least 2, pp=1,
+    no fixed shapes."""
     if not cfg.context_parallel.dynamic:
         return
     from ..planning.dynamic_cp import check_dynamic_cp_layout
@@ -446,12 +448,11 @@ def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
         check_dynamic_cp_layout(layout, key=key, cp_key="parallel.cp", pp_key="parallel.pp")
     except ValueError as exc:
         raise ConfigError(str(exc), key=key) from None
-    if not cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled:
+    if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
         raise ConfigError(
-            f"{key}=true runs packed THD rows on CP sub-groups: set sequence_packing.enabled=true and "
-            "dynamic_batching.enabled=false. Dynamic batching's padded BSHD rows carry no PackedSeqParams, so "
-            "neither TransformerEngine's attention nor Megatron's RoPE (its BSHD table is sized by the static "
-            "context_parallel_size) can take a CP group per micro-batch: they run with static CP.", key=key,
+            f"{key}=true runs packed THD rows (sequence_packing.enabled=true) or dynamic batching's BSHD rows "
+            "(dynamic_batching.enabled=true) on CP sub-groups; with neither, every micro-batch is padded to one "
+            "shape. Enable one of them, or use static CP.", key=key,
         )  # fmt: skip
     for name in ("fixed_shape", "cost_budget"):
         if getattr(cfg.sequence_packing, name):
@@ -501,15 +502,16 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
         "padded_rows": rows,
     }
     shape = cfg.model.shape(vocab_size or cfg.data.vocab_size)
-    packing = asdict(cfg.sequence_packing)
+    packing, batching = asdict(cfg.sequence_packing), asdict(cfg.dynamic_batching)
     dynamic_cp = cfg.context_parallel.dynamic
     if dynamic_cp and cfg.context_parallel.max_tokens_per_rank is not None:  # both passes' budget per rank
-        packing.update(train_mb_tokens=cfg.context_parallel.max_tokens_per_rank,
-                       logprob_mb_tokens=cfg.context_parallel.max_tokens_per_rank)  # fmt: skip
+        for section in (packing, batching):
+            section.update(train_mb_tokens=cfg.context_parallel.max_tokens_per_rank,
+                           logprob_mb_tokens=cfg.context_parallel.max_tokens_per_rank)  # fmt: skip
     try:
         return StepPlanConfig.from_sections(
             sequence_packing=packing,
-            dynamic_batching=asdict(cfg.dynamic_batching),
+            dynamic_batching=batching,
             padded=padded,
             sequence_length_divisible_by=par.make_sequence_length_divisible_by,
             balance=training.balance,

@@ -69,8 +69,6 @@ class PackedCoreAttention(MegatronModule):
             from megatron.core import parallel_state
 
             self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
-        self.cp_size = self.cp_group.size() if self.cp_group is not None else 1
-        self.cp_rank = self.cp_group.rank() if self.cp_group is not None else 0
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _scale(self, head_dim: int) -> float:
@@ -118,7 +116,18 @@ class PackedCoreAttention(MegatronModule):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             out = self._thd(query, key, value, packed_seq_params)
             return out.reshape(out.shape[0], -1)
-        return self._bshd(query, key, value)
+        return self._bshd(query, key, value, self._micro_batch_group(packed_seq_params))
+
+    def _micro_batch_group(self, params):
+        """The micro-batch's CP group: ``params.cp_group`` (`to_packed_seq_params` / `bshd_cp_params` set it:
+        the run's, or under dynamic CP the row's sub-group; ``local_cp_size=1`` without a group: no CP for
+        this micro-batch), else the one this module was built with. None: no CP."""
+        if params is None:
+            return self.cp_group
+        group = getattr(params, "cp_group", None)
+        if group is None and getattr(params, "local_cp_size", None) != 1:
+            group = self.cp_group
+        return group
 
     def _use_varlen(self, query: torch.Tensor) -> bool:
         if self.backend == "sdpa":
@@ -132,12 +141,7 @@ class PackedCoreAttention(MegatronModule):
 
     def _thd(self, q, k, v, params) -> torch.Tensor:
         layout = thd_layout(params)
-        # The micro-batch's CP group (`to_packed_seq_params` sets it: the run's, or under dynamic CP the
-        # row's sub-group; local_cp_size=1 without a group: no CP for this micro-batch), else the one this
-        # module was built with.
-        group = getattr(params, "cp_group", None)
-        if group is None and getattr(params, "local_cp_size", None) != 1:
-            group = self.cp_group
+        group = self._micro_batch_group(params)
         cp_size = group.size() if group is not None else 1
         if cp_size == 1:
             if self._use_varlen(q):
@@ -182,15 +186,16 @@ class PackedCoreAttention(MegatronModule):
             local += 2 * chunk
         return out
 
-    def _bshd(self, q, k, v) -> torch.Tensor:
-        """q [s, b, Hq, D] (the local CP part of each row when CP > 1) -> [s, b, Hq*D]."""
+    def _bshd(self, q, k, v, group) -> torch.Tensor:
+        """q [s, b, Hq, D] (the local CP part of each row when ``group`` has more than one rank) -> [s, b, Hq*D]."""
         s, b = q.shape[0], q.shape[1]
-        if self.cp_size == 1:
+        cp = group.size() if group is not None else 1
+        if cp == 1:
             out = torch.stack([self._sdpa(q[:, i], k[:, i], v[:, i], causal=True) for i in range(b)], dim=1)
             return out.reshape(s, b, -1)
-        cp, rank = self.cp_size, self.cp_rank
+        rank = group.rank()
         seq_len = s * cp
-        k_full, v_full = self._gather_kv(k, v, bshd_inverse_order(seq_len, cp).to(q.device))
+        k_full, v_full = self._gather_kv(k, v, bshd_inverse_order(seq_len, cp).to(q.device), group)
         positions = bshd_partition_indices(seq_len, cp, rank).to(q.device)
         mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
         out = torch.stack(

@@ -15,8 +15,10 @@ rows (`DynamicCPPlan.for_rank`) in the plan's order through Megatron's schedule 
 micro-batch of CP ``k`` (chunks ``p`` and ``2k - 1 - p`` of every sequence on the row's ``p``-th rank),
 with the row's sub-group as its ``cp`` group: ``PackedSeqParams.cp_group`` (the attention gathers keys
 and values over it), Megatron's RoPE for the forward (`_patches.rope_cp_group`), and the unpacked view's
-gather (`prepare.per_sample_logprobs`). The totals (target tokens, sequences, groups) are counted on each
-row's first rank and summed over DP x CP, so every loss (`TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`,
+gather (`prepare.per_sample_logprobs`). Dynamic batching's BSHD rows are built like static BSHD
+micro-batches of CP ``k`` and get params that carry only the group (`packed_seq.bshd_cp_params`: GPTModel
+slices the rotary table by it) and RoPE's table length, the row's width (`_patches.rope_cp_group`).
+The totals (target tokens, sequences, groups) are counted on each row's first rank and summed over DP x CP, so every loss (`TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`,
 `PerSample`, `PerGroup`) is normalized over the whole global batch, and the step's loss and gradients are
 those of the unpacked batch. Log-probs are written by each row's first rank and summed over DP x CP.
 Mixture-of-Experts models are refused (their router losses count over the run's static TP x CP group).
@@ -25,6 +27,7 @@ Mixture-of-Experts models are refused (their router losses count over the run's 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -37,6 +40,7 @@ from ..planning.step_config import StepPlanConfig
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from ._patches.rope_cp_group import rope_cp_group
+from .packed_seq import bshd_cp_params
 from .prepare import count_targets, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
 from .step_loss import StepLoss
@@ -159,9 +163,9 @@ def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: Proce
     prepared micro-batch and the row's process groups."""
     cfg = plan.config
     layout = ParallelLayout(cp=row.cp_size, tp=cfg.layout.tp, sequence_parallel=cfg.layout.sequence_parallel)
-    row_config = StepPlanConfig(mode="packing", train_mb_tokens=cfg.max_tokens_per_rank, layout=layout,
+    row_config = StepPlanConfig(mode=cfg.mode, train_mb_tokens=cfg.max_tokens_per_rank, layout=layout,
                                 sequence_length_round=cfg.sequence_length_round, fp8_alignment=cfg.fp8_alignment,
-                                fixed_length=False)  # fmt: skip
+                                fixed_length=False if cfg.mode == "packing" else None)  # fmt: skip
     mb = row.as_micro_batch()
     row_plan = StepPlan(config=row_config, forward_only=plan.forward_only, lengths=plan.lengths,
                         micro_batches=((mb,),), row_capacity=cfg.capacity(row.cp_size),
@@ -169,6 +173,8 @@ def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: Proce
     row_groups = process_groups.for_cp_group(process_groups.dynamic_cp.group(row.cp_size, row.first_rank))
     prep = prepare_micro_batch(mb, samples, row_plan, row_groups, totals=totals, normalization=normalization,
                                device=device)  # fmt: skip
+    if row.width:  # BSHD rows: params that carry the row's group (a THD row's already do)
+        prep = replace(prep, packed_seq_params=bshd_cp_params(row_groups.cp))
     return prep, row_groups
 
 
@@ -178,7 +184,8 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
 
     def forward_step(data_iterator, model_chunk):
         prep, row_groups = next(data_iterator)
-        with rope_cp_group(model_chunk, row_groups.cp):
+        width = prep.plan.shape[1] if prep.packed is None else None  # BSHD: RoPE's table spans the whole row
+        with rope_cp_group(model_chunk, row_groups.cp, rotary_seq_len=width):
             output = model_chunk(prep.tokens, prep.position_ids, None, labels=prep.labels,
                                  packed_seq_params=prep.packed_seq_params)  # fmt: skip
         return output, partial(loss_func, prep, row_groups)

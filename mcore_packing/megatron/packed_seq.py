@@ -25,6 +25,12 @@ length (`StepPlanConfig.fixed_shape`). A zero-length sequence has no token, so i
 loss or gradient (tested). ``max_seqlen`` stays the row's longest span: Megatron's THD RoPE reads a
 frequency table as long as the whole row as positions counted from the row's start, so a static bound
 equal to the row length would move every sequence's positions.
+
+BSHD micro-batches (dynamic batching) need params only under dynamic context parallelism, where each
+one runs on its own CP sub-group: `bshd_cp_params` carries just the group (qkv_format "sbhd",
+``cp_group``, ``local_cp_size``). Its ``max_seqlen`` fields stay None: TransformerEngine multiplies a
+given BSHD ``max_seqlen`` by the CP size (it expects this rank's share), while Megatron's RoPE reads it as
+the whole row; `_patches.rope_cp_group` hands RoPE the row's length instead.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch
 from ..compat import packed_seq_params_fields, require_megatron
 from ..thd.packed_batch import PackedBatch
 
-__all__ = ["ThdLayout", "thd_layout", "to_packed_seq_params"]
+__all__ = ["ThdLayout", "bshd_cp_params", "thd_layout", "to_packed_seq_params"]
 
 _LAYOUT_ATTR = "_mcore_packing_layout"
 
@@ -142,3 +148,20 @@ def _pad_entries(cu: torch.Tensor, entries: int) -> torch.Tensor:
             f"{cu.numel()} entries. Use StepPlanConfig.cu_seqlens_entries(row_tokens), which bounds every row."
         )
     return torch.cat([cu, cu[-1:].expand(entries - cu.numel())])
+
+
+def bshd_cp_params(cp_group):
+    """``PackedSeqParams`` for a BSHD micro-batch on ``cp_group`` (a dynamic-CP row's sub-group): only the
+    group, as Megatron's GPTModel (RoPE's CP slice) and TransformerEngine's attention read it per
+    micro-batch. A group of one rank is kept (``local_cp_size=1`` with it): without a group Megatron's BSHD
+    RoPE would fall back to the run's static CP group and slice the table for it."""
+    require_megatron()
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    fields = packed_seq_params_fields()
+    if "cp_group" not in fields or "local_cp_size" not in fields:
+        raise RuntimeError(
+            "this megatron-core's PackedSeqParams has no cp_group/local_cp_size (added in 0.16): dynamic CP needs "
+            "them to name each micro-batch's CP group. Install megatron-core >= 0.16."
+        )
+    return PackedSeqParams(qkv_format="sbhd", cp_group=cp_group, local_cp_size=cp_group.size())

@@ -8,6 +8,10 @@ ranks: ``k * max_tokens_per_rank`` tokens, rounded down to the row multiple. Seq
 into such rows, and each row runs on an aligned group of ``k`` ranks (``first_rank`` a multiple of
 ``k``), cut into ``2k`` chunks per sequence as static CP does.
 
+Rows are packed THD rows (``mode="packing"``), or with dynamic batching (``mode="dynamic"``) padded BSHD
+micro-batches: ``n`` sequences of one CP size padded to the row's longest (a multiple of the BSHD row
+multiple at ``k``), ``n`` times that width within the row's ``k * max_tokens_per_rank``.
+
     config = DynamicCPConfig(max_tokens_per_rank=4096, layout=ParallelLayout(cp=4, dp=2))
     plan = plan_dynamic_cp(lengths, config)          # the same on every rank, no communication
     plan.for_rank(r)                                 # rank r's rows, in execution order
@@ -55,8 +59,11 @@ from .padding import PaddingRule
 from .step_config import StepPlanConfig
 from .step_plan import MicroBatchPlan, group_members, micro_batch_cost, plan_fingerprint
 
-__all__ = ["CPRow", "DynamicCPConfig", "DynamicCPPlan", "check_dynamic_cp_layout", "plan_dynamic_cp",
-           "simulate_rows"]  # fmt: skip
+__all__ = ["DYNAMIC_CP_MODES", "CPRow", "DynamicCPConfig", "DynamicCPPlan", "check_dynamic_cp_layout",
+           "plan_dynamic_cp", "simulate_rows"]  # fmt: skip
+
+DYNAMIC_CP_MODES = ("packing", "dynamic")
+"""The `StepPlanConfig` modes dynamic CP plans: THD rows, and dynamic batching's BSHD rows (not ``padded``)."""
 
 
 def check_dynamic_cp_layout(layout: ParallelLayout, *, key: str = "context_parallel.dynamic", cp_key: str = "cp",
@@ -82,12 +89,14 @@ class DynamicCPConfig:
         layout: the run's `ParallelLayout`; ``cp`` is the largest CP size (a power of two), ``dp * cp``
             ranks share the step. ``pp`` must be 1.
         sequence_length_round: per-sequence alignment on top of CP's ``2k``.
+        mode: ``"packing"`` (THD rows) or ``"dynamic"`` (dynamic batching: padded BSHD rows).
         fp8_alignment: FP8's alignment of each rank's share of a row (`PaddingRule`), 1 when off.
         cost_model: per-rank cost (None: tokens, no attention term, no exchange).
     """
 
     max_tokens_per_rank: int
     layout: ParallelLayout
+    mode: str = "packing"
     sequence_length_round: int = 1
     fp8_alignment: int = 1
     cost_model: CostModel | None = None
@@ -96,13 +105,18 @@ class DynamicCPConfig:
         require_positive_int("max_tokens_per_rank", self.max_tokens_per_rank)
         require_positive_int("sequence_length_round", self.sequence_length_round)
         require_positive_int("fp8_alignment", self.fp8_alignment)
+        if self.mode not in DYNAMIC_CP_MODES:
+            raise ValueError(
+                f"dynamic CP plans packed THD rows (mode='packing') or dynamic batching's padded BSHD rows "
+                f"(mode='dynamic'); got mode={self.mode!r}. Use one of {DYNAMIC_CP_MODES}, or static CP."
+            )
         check_dynamic_cp_layout(self.layout)
 
     @classmethod
     def from_step_config(cls, config: StepPlanConfig, *, forward_only: bool = False) -> DynamicCPConfig:
         """The dynamic-CP settings of a `StepPlanConfig`: its budget per rank for the pass
         (``train_mb_tokens``, or ``logprob_mb_tokens`` when forward-only), layout, alignments, cost model."""
-        return cls(max_tokens_per_rank=config.budget(forward_only)[1], layout=config.layout,
+        return cls(max_tokens_per_rank=config.budget(forward_only)[1], layout=config.layout, mode=config.mode,
                    sequence_length_round=config.sequence_length_round, fp8_alignment=config.fp8_alignment,
                    cost_model=config.cost_model)  # fmt: skip
 
@@ -136,14 +150,18 @@ class DynamicCPConfig:
         samples together; a unit that does not fit at ``cp`` is refused, naming it (``what``) and the fix."""
         out = np.zeros(len(units), dtype=np.int64)
         members = np.fromiter((i for u in units for i in u), dtype=np.int64)
-        unit_of = np.repeat(np.arange(len(units)), [len(u) for u in units])
+        starts = np.cumsum([0, *(len(u) for u in units[:-1])])
         for k in self.sizes[::-1]:  # the smallest size that fits wins: write the large ones first
-            totals = np.bincount(unit_of, weights=self.padded(lengths[members], k), minlength=len(units))
+            padded = self.padded(lengths[members], k)
+            if self.mode == "packing":  # a THD row holds the padded lengths end to end
+                totals = np.add.reduceat(padded, starts)
+            else:  # a BSHD micro-batch: every sample padded to the longest
+                totals = np.maximum.reduceat(padded, starts) * np.diff([*starts, members.size])
             out[totals <= self.capacity(k)] = k
         if (out == 0).any():
             u = int(np.flatnonzero(out == 0)[0])
             cp = self.layout.cp
-            tokens = int(self.padded(lengths[units[u]], cp).sum())
+            tokens = self.row_tokens(self.padded(lengths[units[u]], cp))
             need = -(-tokens // cp)
             name = f"sample {units[u][0]} has {int(lengths[units[u][0]])} tokens" if what == "sample" else (
                 f"the group of samples {units[u]} has {tokens} padded tokens")  # fmt: skip
@@ -154,13 +172,26 @@ class DynamicCPConfig:
         return out
 
     def padded(self, lengths, cp_size: int) -> np.ndarray:
-        m = self.padding_rule(cp_size).sequence_multiple
+        """``lengths`` padded at CP size ``cp_size``: to the THD span multiple, or in dynamic mode to the
+        BSHD row multiple (sequence parallelism splits each row's CP shard over TP ranks)."""
+        rule = self.padding_rule(cp_size)
+        m = rule.sequence_multiple if self.mode == "packing" else rule.total_multiple
         return -(-np.asarray(lengths, dtype=np.int64) // m) * m
+
+    def row_tokens(self, padded) -> int:
+        """Tokens of one row holding ``padded`` (lengths from `padded`): their sum (THD; the capacity is a
+        row multiple, so the sum fits exactly when the rounded row does), or their count times the longest
+        (BSHD)."""
+        padded = np.asarray(padded, dtype=np.int64)
+        if not padded.size:
+            return 0
+        return int(padded.sum()) if self.mode == "packing" else int(padded.max()) * int(padded.size)
 
 
 @dataclass(frozen=True)
 class CPRow:
-    """One micro-batch of dynamic CP: a packed row of ``sample_indices`` on the ``cp_size`` ranks
+    """One micro-batch of dynamic CP: a packed row of ``sample_indices`` (or with ``width``, dynamic
+    batching's BSHD rows: one per sample, each padded to ``width``) on the ``cp_size`` ranks
     ``first_rank .. first_rank + cp_size - 1`` of the DP x CP domain; ``row_length`` padded tokens
     before the split; ``cost`` on each of its ranks."""
 
@@ -170,14 +201,20 @@ class CPRow:
     row_length: int
     real_tokens: int
     cost: float
+    width: int = 0  # BSHD rows' padded width; 0: one packed THD row
 
     @property
     def ranks(self) -> range:
         return range(self.first_rank, self.first_rank + self.cp_size)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(1, row_length)`` for a THD row, ``(samples, width)`` for BSHD rows."""
+        return (len(self.sample_indices), self.width) if self.width else (1, self.row_length)
+
     def as_micro_batch(self) -> MicroBatchPlan:
-        """The row as a static plan's micro-batch (its whole row, its cost on each of its ranks)."""
-        return MicroBatchPlan(self.sample_indices, (1, self.row_length), self.real_tokens, self.cost)
+        """The row as a static plan's micro-batch (its shape, its cost on each of its ranks)."""
+        return MicroBatchPlan(self.sample_indices, self.shape, self.real_tokens, self.cost)
 
 
 @dataclass(frozen=True)
@@ -256,9 +293,8 @@ class DynamicCPPlan:
 
     def fingerprint(self) -> str:
         """A hash of the inputs and the plan; equal on every rank that planned the same step."""
-        return plan_fingerprint(
-            self, rows=[(row.sample_indices, row.cp_size, row.first_rank, row.row_length) for row in self.rows]
-        )
+        rows = [(row.sample_indices, row.cp_size, row.first_rank, row.row_length, row.width) for row in self.rows]
+        return plan_fingerprint(self, rows=rows)
 
     @classmethod
     def chained(cls, plans: Sequence[DynamicCPPlan]) -> DynamicCPPlan:
@@ -266,8 +302,7 @@ class DynamicCPPlan:
         reporting (a GRPO step's minibatches): rows one plan after the other, sample indices offset."""
         offsets = np.cumsum([0, *(len(p.lengths) for p in plans)]).tolist()
         rows = tuple(
-            CPRow(tuple(i + offset for i in row.sample_indices), row.cp_size, row.first_rank, row.row_length,
-                  row.real_tokens, row.cost)
+            replace(row, sample_indices=tuple(i + offset for i in row.sample_indices))
             for p, offset in zip(plans, offsets, strict=False) for row in p.rows
         )  # fmt: skip
         lengths = tuple(n for p in plans for n in p.lengths)
@@ -315,7 +350,49 @@ def _schedule(units, sizes: np.ndarray, lengths: np.ndarray, config: DynamicCPCo
         chosen = [units[u] for u in np.flatnonzero(sizes == k).tolist()]
         if chosen:
             rows += _place(chosen, k, lengths, config, clock)
+    if config.mode == "dynamic":
+        _even_out_singles(rows, lengths, config, unit_of)
     return _equalize(rows, lengths, config, unit_of)
+
+
+def _even_out_singles(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, unit_of: np.ndarray) -> None:
+    """BSHD rows are filled with neighbouring lengths (the least padding), so a rank's work comes in whole
+    rows; even it out: move one unit from a CP-1 row of the slowest rank into a CP-1 row of the fastest
+    where it fits, the move that lowers the slower of the two the most, while one does. CP-1 rows come
+    last in the order, so a move changes only those two ranks' finish."""
+    num_ranks = config.num_ranks
+    for _ in range(4 * num_ranks):
+        finish = simulate_rows(rows, num_ranks)
+        hi, lo = int(np.argmax(finish)), int(np.argmin(finish))
+        best, best_value = None, finish[hi]
+        sources = [p for p, row in enumerate(rows) if row.cp_size == 1 and row.first_rank == hi]
+        targets = [p for p, row in enumerate(rows) if row.cp_size == 1 and row.first_rank == lo]
+        for a in sources:
+            members: dict = {}
+            for i in rows[a].sample_indices:
+                members.setdefault(int(unit_of[i]), []).append(i)
+            if len(members) < 2:
+                continue
+            for unit in members.values():
+                rest = [i for i in rows[a].sample_indices if i not in unit]
+                shrunk = _make_row(rest, 1, hi, lengths, config)
+                for b in [*targets, None]:  # None: a new row on the fastest rank
+                    grown = sorted((rows[b].sample_indices if b is not None else ()) + tuple(unit))
+                    if config.row_tokens(config.padded(lengths[grown], 1)) > config.capacity(1):
+                        continue
+                    grown_row = _make_row(grown, 1, lo, lengths, config)
+                    before = rows[b].cost if b is not None else 0.0
+                    value = max(finish[hi] - rows[a].cost + shrunk.cost, finish[lo] - before + grown_row.cost)
+                    if value < best_value - 1e-9 * finish[hi]:
+                        best, best_value = (a, shrunk, b, grown_row), value
+        if best is None:
+            return
+        a, shrunk, b, grown_row = best
+        rows[a] = shrunk
+        if b is None:
+            rows.append(grown_row)
+        else:
+            rows[b] = grown_row
 
 
 def _units(groups, count: int) -> list[list[int]]:
@@ -325,42 +402,65 @@ def _units(groups, count: int) -> list[list[int]]:
 
 def _make_row(samples: list[int], cp_size: int, first_rank: int, lengths: np.ndarray, config: DynamicCPConfig):
     padded = config.padded(lengths[samples], cp_size)
-    multiple = config.padding_rule(cp_size).total_multiple
-    row_length = int(-(-int(padded.sum()) // multiple) * multiple)
-    cost = micro_batch_cost(padded, (1, row_length), "packing", cp_size, config.model())  # a static row's cost
-    return CPRow(tuple(samples), cp_size, first_rank, row_length, int(lengths[samples].sum()), cost)
+    if config.mode == "packing":
+        multiple = config.padding_rule(cp_size).total_multiple
+        width, shape = 0, (1, int(-(-int(padded.sum()) // multiple) * multiple))
+    else:
+        width = int(padded.max())
+        shape = (len(samples), width)
+    cost = micro_batch_cost(padded, shape, config.mode, cp_size, config.model())  # a static micro-batch's cost
+    return CPRow(tuple(samples), cp_size, first_rank, shape[0] * shape[1], int(lengths[samples].sum()), cost, width)
 
 
 def _unit_cost(units: list[list[int]], k: int, lengths: np.ndarray, config: DynamicCPConfig):
-    """Each unit's padded tokens at size ``k`` and its cost on each of ``k`` ranks (sequences and exchange)."""
+    """Each unit's padded lengths at size ``k`` and its cost on each of ``k`` ranks (sequences and exchange;
+    a BSHD unit as if its row were as wide as its own longest)."""
     model = config.model()
     per_token = model.cp_exchange(1, k) - model.cp_exchange(0, k)  # the exchange is linear in the row's tokens
     padded = [config.padded(lengths[u], k) for u in units]
-    tokens = np.array([int(p.sum()) for p in padded], dtype=np.int64)
-    cost = np.array([float(model.sequence_cost(p, k).sum()) for p in padded]) + per_token * tokens
-    return tokens, cost
+    tokens = np.array([config.row_tokens(p) for p in padded], dtype=np.float64)
+    if config.mode == "packing":
+        cost = np.array([float(model.sequence_cost(p, k).sum()) for p in padded])
+    else:
+        cost = np.array([p.size * float(model.sequence_cost([p.max()], k)[0]) for p in padded])
+    return padded, cost + per_token * tokens
 
 
 def _place(units: list[list[int]], k: int, lengths: np.ndarray, config: DynamicCPConfig, clock: np.ndarray):
     """The size-``k`` units, most expensive first, each to the aligned group of ``k`` ranks that is free
     soonest (the least idle on a tie), into the first of its rows with room or a new row; ``clock`` (each
-    rank's finish) moves on. Returns the rows, group by group (groups of one size share no rank)."""
+    rank's finish) moves on. BSHD rows (dynamic batching): the widest unit first, each row filled with
+    the next units while they fit (neighbouring lengths: the least padding), a new row on the group free
+    soonest; `_even_out_singles` then evens out the ranks. Returns the rows, group by group (groups of
+    one size share no rank)."""
     model, capacity = config.model(), config.capacity(k)
-    tokens, cost = _unit_cost(units, k, lengths, config)
+    padded, cost = _unit_cost(units, k, lengths, config)
     opening = model.per_microbatch + model.cp_exchange(0, k)  # what a new row adds on each of its ranks
     groups = clock.reshape(-1, k)
     ready, idle = groups.max(axis=1), (groups.max(axis=1)[:, None] - groups).sum(axis=1)
-    rows: list[list[list]] = [[] for _ in ready]  # per group: [samples, tokens]
+    rows: list[list[list]] = [[] for _ in ready]  # per group: [units, their padded lengths]
     first = np.array([u[0] for u in units])
-    for j in np.lexsort((first, -cost)).tolist():
+    bshd = config.mode == "dynamic"
+    order = np.lexsort((first, -cost, -np.array([p.max() for p in padded]) if bshd else -cost))
+    g, row = 0, None
+    for j in order.tolist():
+        fits = row is not None and config.row_tokens(row[1] + padded[j].tolist()) <= capacity
+        if bshd and fits:
+            # BSHD: the widest first, each row filled with the next ones (the least padding), then a new
+            # row on the group free soonest
+            ready[g] += cost[j]
+            row[0].append(j)
+            row[1] += padded[j].tolist()
+            continue
         g = int(np.lexsort((np.arange(ready.size), idle, ready))[0])
-        row = next((r for r in rows[g] if r[1] + tokens[j] <= capacity), None)
+        room = (r for r in rows[g] if config.row_tokens(r[1] + padded[j].tolist()) <= capacity)
+        row = None if bshd else next(room, None)
         if row is None:
-            row = [[], 0]
+            row = [[], []]
             rows[g].append(row)
             ready[g] += opening
         row[0].append(j)
-        row[1] += int(tokens[j])
+        row[1] += padded[j].tolist()
         ready[g] += cost[j]
         idle[g] = 0.0
     out = []
@@ -379,7 +479,8 @@ def _equalize(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, u
     (between units) on the ranks with the fewest (a CP-1 row of the rank first: only its count grows),
     else give such a rank half of another rank's CP-1 row, else (counts two or more apart) move a row
     there from ranks with the most, else run a row on twice its ranks (its CP size doubled: the new ranks
-    lag). When no rank can grow, down to the fewest: merge two rows on the same ranks with room for both.
+    lag), else split a row on ranks with the most and give its second half to a group with the fewest.
+    When no rank can grow, down to the fewest: merge two rows on the same ranks with room for both.
     Every rank runs its rows in the list's order, so any change to the list keeps one global order."""
     grow = True
     while True:
@@ -400,6 +501,8 @@ def _equalize(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, u
             if counts.max() - counts.min() >= 2 and _move_row(rows, counts, low):
                 continue
             if _promote(rows, counts, lengths, config):
+                continue
+            if _split_across(rows, counts, lengths, config, unit_of):
                 continue
             grow = False
         if not _merge_rows(rows, counts, lengths, config):
@@ -430,6 +533,30 @@ def _splittable_single(rows: list[CPRow], unit_of: np.ndarray) -> int | None:
     singles = [p for p, row in enumerate(rows)
                if row.cp_size == 1 and len(set(unit_of[list(row.sample_indices)].tolist())) > 1]  # fmt: skip
     return max(singles, key=lambda p: (rows[p].cost, -p)) if singles else None
+
+
+def _split_across(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, config: DynamicCPConfig,
+                  unit_of: np.ndarray) -> bool:  # fmt: skip
+    """Split a row of at least two units whose ranks have the most micro-batches, its second half to an
+    aligned group of its size whose ranks all have the fewest (BSHD rows are filled full, so two units of
+    a small batch can share the row another group needs): the most expensive such row. False if none."""
+    low = counts.min()
+    best = None
+    for position, row in enumerate(rows):
+        k = row.cp_size
+        if counts[row.first_rank : row.first_rank + k].min() < counts.max():
+            continue
+        if len(set(unit_of[list(row.sample_indices)].tolist())) < 2:
+            continue
+        empty = [g for g in range(0, config.num_ranks, k) if counts[g : g + k].max() == low]
+        if empty and (best is None or row.cost > best[0]):
+            best = (row.cost, position, empty[0])
+    if best is None:
+        return False
+    _, position, target = best
+    first, second = _halves(rows[position], lengths, config, unit_of)
+    rows[position : position + 1] = [first, replace(second, first_rank=target)]
+    return True
 
 
 def _move_row(rows: list[CPRow], counts: np.ndarray, low: int) -> bool:
@@ -465,6 +592,9 @@ def _promote(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, config:
         gained = [r for r in range(first, first + 2 * k) if r not in row.ranks]
         if counts[gained].max() >= high:
             continue
+        samples = list(row.sample_indices)  # padded for 2k, the row must still fit 2k ranks
+        if config.row_tokens(config.padded(lengths[samples], 2 * k)) > config.capacity(2 * k):
+            continue
         key = (counts[gained].min() > low, row.cost, position)
         if best is None or key < best[0]:
             best = (key, position, first)
@@ -489,7 +619,7 @@ def _merge_rows(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, conf
         for a_index, a in enumerate(ordered):
             for b in ordered[a_index + 1 :]:
                 samples = sorted(rows[a].sample_indices + rows[b].sample_indices)
-                if int(config.padded(lengths[samples], k).sum()) <= config.capacity(k):
+                if config.row_tokens(config.padded(lengths[samples], k)) <= config.capacity(k):
                     key = rows[a].cost + rows[b].cost
                     if best is None or key < best[0]:
                         best = (key, a, b, samples)

@@ -59,9 +59,10 @@ class StepPlanConfig:
         cost_model: per-sequence cost; None counts tokens (no attention term).
         cost_budget: packing only: also cap each row's cost (in `cost_model` units), or ``"auto"`` for
             5% above the mean row cost of token-only packing, so rows are even in work.
-        dynamic_cp: packing only: dynamic context parallelism (`planning.dynamic_cp`): each sequence on the
-            smallest power-of-two CP size (up to ``layout.cp``) whose row of that many ranks holds it at the
-            pass's budget per rank; `plan_step` then returns a `DynamicCPPlan`. Needs a power-of-two cp and
+        dynamic_cp: packing or dynamic mode: dynamic context parallelism (`planning.dynamic_cp`): each
+            sequence on the smallest power-of-two CP size (up to ``layout.cp``) whose row (THD, or BSHD rows
+            in dynamic mode) of that many ranks holds it at the pass's budget per rank; `plan_step` then
+            returns a `DynamicCPPlan`. Needs a power-of-two cp and
             pp=1; ``algorithm``, ``balance`` and ``microbatch_order`` do not apply (the rows are scheduled
             over the DP x CP ranks by cost).
     """
@@ -112,14 +113,14 @@ class StepPlanConfig:
             self._check_dynamic_cp()
 
     def _check_dynamic_cp(self) -> None:
-        from .dynamic_cp import check_dynamic_cp_layout
+        from .dynamic_cp import DYNAMIC_CP_MODES, check_dynamic_cp_layout
 
         check_dynamic_cp_layout(self.layout, key="dynamic_cp")
-        if self.mode != "packing":
+        if self.mode not in DYNAMIC_CP_MODES:
             raise ValueError(
-                f"dynamic_cp plans packed THD rows on CP sub-groups: it needs mode='packing' (got mode={self.mode!r}); "
-                "BSHD rows carry no PackedSeqParams to name a CP group per micro-batch. Use sequence packing, or "
-                "static CP for dynamic batching."
+                f"dynamic_cp plans packed THD rows (mode='packing') or dynamic batching's BSHD rows (mode='dynamic') "
+                f"on CP sub-groups; mode={self.mode!r} pads every micro-batch to one shape. Use one of those modes, "
+                "or static CP."
             )
         for name in ("fixed_shape", "cost_budget"):
             if getattr(self, name):
