@@ -19,8 +19,9 @@ gather (`prepare.per_sample_logprobs`). Dynamic batching's BSHD rows are built l
 micro-batches of CP ``k`` and get params that carry only the group (`packed_seq.bshd_cp_params`: GPTModel
 slices the rotary table by it) and RoPE's table length, the row's width (`_patches.rope_cp_group`).
 The totals (target tokens, sequences, groups) are counted on each row's first rank and summed over DP x
-CP, so every loss (`TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`) is normalized over the whole global batch, and the step's loss and gradients are
-those of the unpacked batch. Log-probs are written by each row's first rank and summed over DP x CP.
+CP, so every loss (`TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`) is
+normalized over the whole global batch, and the step's loss and gradients are those of the unpacked
+batch. Log-probs are written by each row's first rank and summed over DP x CP.
 Mixture-of-Experts models are refused (their router losses count over the run's static TP x CP group).
 """
 
