@@ -358,8 +358,9 @@ def _schedule(units, sizes: np.ndarray, lengths: np.ndarray, config: DynamicCPCo
 def _even_out_singles(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPConfig, unit_of: np.ndarray) -> None:
     """BSHD rows are filled with neighbouring lengths (the least padding), so a rank's work comes in whole
     rows; even it out: move one unit from a CP-1 row of the slowest rank into a CP-1 row of the fastest
-    where it fits, the move that lowers the slower of the two the most, while one does. CP-1 rows come
-    last in the order, so a move changes only those two ranks' finish."""
+    where it fits, or into a new row there (`_equalize` evens the counts afterwards), the move that lowers
+    the slower of the two the most, while one does. CP-1 rows come last in the order (a new row is
+    appended), so a move changes only those two ranks' finish."""
     num_ranks = config.num_ranks
     for _ in range(4 * num_ranks):
         finish = simulate_rows(rows, num_ranks)
