@@ -218,22 +218,29 @@ def test_torchrun_two_ranks(tmp_path, parallel):
     assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
 
 
+@pytest.fixture(scope="module")
+def single_rank_run(tmp_path_factory) -> list[dict]:
+    """Three steps on one rank (the reference of the dynamic-CP runs): their metrics."""
+    run_dir = tmp_path_factory.mktemp("single")
+    single = train(run_dir, "training.steps=3")
+    assert single.returncode == 0, single.stderr[-3000:]
+    return metrics(run_dir)
+
+
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("rows", ["packing", "dynamic_batching"])
-def test_dynamic_cp_trains_with_the_single_rank_losses(tmp_path, rows):
+@pytest.mark.parametrize("kind", ["packing", "dynamic_batching"])
+def test_dynamic_cp_trains_with_the_single_rank_losses(tmp_path, kind, single_rank_run):
     """context_parallel.dynamic on 2 ranks (CP2, 768 tokens per rank), with packed THD rows and with dynamic
     batching's BSHD rows: conversations over 768 tokens run on both ranks, the others on one; every step's
     loss equals a single rank's (the step is exact), and the metrics say which CP sizes ran."""
-    single = train(tmp_path / "single", "training.steps=3")
-    assert single.returncode == 0, single.stderr[-3000:]
     dynamic = ["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=768"]
-    if rows == "dynamic_batching":
+    if kind == "dynamic_batching":
         dynamic += ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"]
     proc = train(tmp_path / "dynamic", "training.steps=3", *dynamic, torchrun=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "cp=1/2 (dynamic)" in proc.stdout
-    rows, expected = metrics(tmp_path / "dynamic"), metrics(tmp_path / "single")
+    rows, expected = metrics(tmp_path / "dynamic"), single_rank_run
     for got, want in zip(rows, expected, strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-5 * abs(want["loss"]), (got["loss"], want["loss"])
         assert got["useful_tokens"] == want["useful_tokens"]
