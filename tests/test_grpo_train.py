@@ -93,12 +93,8 @@ def test_resume_continues_with_the_same_losses(tmp_path, straight_run, rollouts_
         # dynamic CP: the training pass's responses over 24 tokens run on both ranks, the rest on one; the
         # log-prob pass keeps each group of 4 in one row (160 per rank: CP 1)
         ["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.train_mb_tokens=24"],
-        # the same with dynamic batching's BSHD rows (each group of the log-prob pass in one BSHD row)
-        ["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.enabled=false",
-         "dynamic_batching.enabled=true", "dynamic_batching.train_mb_tokens=24",
-         "dynamic_batching.logprob_mb_tokens=160"],
     ],
-    ids=["packed-cp2", "dynamic-dp2", "dynamic-cp2", "dynamic-cp2-bshd"],
+    ids=["packed-cp2", "dynamic-dp2", "dynamic-cp2"],
 )
 def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_file, layout):
     proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", *layout, torchrun=2)
