@@ -104,7 +104,8 @@ def main(argv=None) -> int:
                         help="rows: packed THD (packing) or dynamic batching's BSHD rows (dynamic)")
     parser.add_argument("--out", default=None, help="default: benchmarks/results/dynamic_cp_measured[_dynamic].json")
     args = parser.parse_args(argv)
-    args.out = args.out or "benchmarks/results/dynamic_cp_measured{}.json".format("_dynamic" * (args.mode == "dynamic"))
+    suffix = "_dynamic" if args.mode == "dynamic" else ""
+    args.out = args.out or f"benchmarks/results/dynamic_cp_measured{suffix}.json"
     config = run_config(args, world=WORLD, cp=CP, max_tokens_per_rank=BUDGET)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -55,7 +55,7 @@ from ..validators import require_positive_int
 from .balance import max_over_mean
 from .cost_model import CostModel
 from .layout import ParallelLayout
-from .padding import PaddingRule
+from .padding import PaddingRule, micro_batch_tokens
 from .step_config import StepPlanConfig
 from .step_plan import MicroBatchPlan, group_members, micro_batch_cost, plan_fingerprint
 
@@ -172,20 +172,14 @@ class DynamicCPConfig:
         return out
 
     def padded(self, lengths, cp_size: int) -> np.ndarray:
-        """``lengths`` padded at CP size ``cp_size``: to the THD span multiple, or in dynamic mode to the
-        BSHD row multiple (sequence parallelism splits each row's CP shard over TP ranks)."""
-        rule = self.padding_rule(cp_size)
-        m = rule.sequence_multiple if self.mode == "packing" else rule.total_multiple
+        """``lengths`` padded at CP size ``cp_size`` (`PaddingRule.length_multiple` of the mode)."""
+        m = self.padding_rule(cp_size).length_multiple(self.mode)
         return -(-np.asarray(lengths, dtype=np.int64) // m) * m
 
     def row_tokens(self, padded) -> int:
-        """Tokens of one row holding ``padded`` (lengths from `padded`): their sum (THD; the capacity is a
-        row multiple, so the sum fits exactly when the rounded row does), or their count times the longest
-        (BSHD)."""
-        padded = np.asarray(padded, dtype=np.int64)
-        if not padded.size:
-            return 0
-        return int(padded.sum()) if self.mode == "packing" else int(padded.max()) * int(padded.size)
+        """Tokens of one row holding ``padded`` (lengths from `padded`; `padding.micro_batch_tokens`). A THD
+        row's capacity is a row multiple, so the sum fits exactly when the rounded row does."""
+        return micro_batch_tokens(padded, self.mode)
 
 
 @dataclass(frozen=True)
@@ -369,12 +363,10 @@ def _even_out_singles(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPC
         sources = [p for p, row in enumerate(rows) if row.cp_size == 1 and row.first_rank == hi]
         targets = [p for p, row in enumerate(rows) if row.cp_size == 1 and row.first_rank == lo]
         for a in sources:
-            members: dict = {}
-            for i in rows[a].sample_indices:
-                members.setdefault(int(unit_of[i]), []).append(i)
-            if len(members) < 2:
+            units = _row_units(rows[a], unit_of)
+            if len(units) < 2:
                 continue
-            for unit in members.values():
+            for unit in units:
                 rest = [i for i in rows[a].sample_indices if i not in unit]
                 shrunk = _make_row(rest, 1, hi, lengths, config)
                 for b in [*targets, None]:  # None: a new row on the fastest rank
@@ -394,6 +386,14 @@ def _even_out_singles(rows: list[CPRow], lengths: np.ndarray, config: DynamicCPC
             rows.append(grown_row)
         else:
             rows[b] = grown_row
+
+
+def _row_units(row: CPRow, unit_of: np.ndarray) -> list[list[int]]:
+    """The row's samples by unit (a group's samples together), in the order units first appear."""
+    members: dict = {}
+    for i in row.sample_indices:
+        members.setdefault(int(unit_of[i]), []).append(i)
+    return list(members.values())
 
 
 def _units(groups, count: int) -> list[list[int]]:
@@ -532,7 +532,7 @@ def _lightest(rows: list[CPRow], ranks: np.ndarray, num_ranks: int) -> int:
 def _splittable_single(rows: list[CPRow], unit_of: np.ndarray) -> int | None:
     """The most expensive CP-1 row of at least two units (its second half can run on another rank)."""
     singles = [p for p, row in enumerate(rows)
-               if row.cp_size == 1 and len(set(unit_of[list(row.sample_indices)].tolist())) > 1]  # fmt: skip
+               if row.cp_size == 1 and len(_row_units(row, unit_of)) > 1]  # fmt: skip
     return max(singles, key=lambda p: (rows[p].cost, -p)) if singles else None
 
 
@@ -547,7 +547,7 @@ def _split_across(rows: list[CPRow], counts: np.ndarray, lengths: np.ndarray, co
         k = row.cp_size
         if counts[row.first_rank : row.first_rank + k].min() < counts.max():
             continue
-        if len(set(unit_of[list(row.sample_indices)].tolist())) < 2:
+        if len(_row_units(row, unit_of)) < 2:
             continue
         empty = [g for g in range(0, config.num_ranks, k) if counts[g : g + k].max() == low]
         if empty and (best is None or row.cost > best[0]):
@@ -640,7 +640,7 @@ def _row_to_split(rows: list[CPRow], counts: np.ndarray, unit_of: np.ndarray) ->
     lagging = set(np.flatnonzero(counts == low).tolist())
     best = None
     for position, row in enumerate(rows):
-        if len(set(unit_of[list(row.sample_indices)].tolist())) < 2 or not lagging.intersection(row.ranks):
+        if len(_row_units(row, unit_of)) < 2 or not lagging.intersection(row.ranks):
             continue
         if counts[row.first_rank : row.first_rank + row.cp_size].max() >= high:
             continue
@@ -652,10 +652,7 @@ def _row_to_split(rows: list[CPRow], counts: np.ndarray, unit_of: np.ndarray) ->
 
 def _halves(row: CPRow, lengths: np.ndarray, config: DynamicCPConfig, unit_of: np.ndarray) -> tuple[CPRow, CPRow]:
     """The row's units in two rows of about equal cost (the most expensive first, each to the lighter half)."""
-    members: dict = {}
-    for i in row.sample_indices:
-        members.setdefault(int(unit_of[i]), []).append(i)
-    units = list(members.values())
+    units = _row_units(row, unit_of)
     _, cost = _unit_cost(units, row.cp_size, lengths, config)
     halves, loads = ([], []), [0.0, 0.0]
     for j in sorted(range(len(units)), key=lambda j: (-cost[j], units[j][0])):

@@ -12,6 +12,10 @@ share of the row: T / CP, and T / (CP * TP) under sequence parallelism (Transfor
 shard before its all-gather). The row is padded once at its tail to make that so; no sequence is padded
 for FP8. With CP=2, TP=2, SP and block-wise FP8 the row is a multiple of lcm(4, 4, 128 * 4) = 512, and
 every span stays a multiple of 4.
+
+Dynamic batching's padded BSHD rows pad each sequence to ``total_multiple`` instead (a row is one
+sequence: its CP shard splits over TP ranks), and a micro-batch of them costs its rows times the widest
+(`micro_batch_tokens`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 from ..validators import require_positive_int
 from .layout import ParallelLayout
 
-__all__ = ["FP8_ROW_ALIGNMENT", "PaddingRule", "fp8_row_alignment"]
+__all__ = ["FP8_ROW_ALIGNMENT", "PaddingRule", "fp8_row_alignment", "micro_batch_tokens"]
 
 FP8_ROW_ALIGNMENT = {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}
 """Tokens per rank that each FP8 recipe (Megatron's ``fp8_recipe`` names) needs the row's share to divide by."""
@@ -92,3 +96,17 @@ class PaddingRule:
     def padded_length(self, length: int) -> int:
         m = self.sequence_multiple
         return -(-length // m) * m
+
+    def length_multiple(self, mode: str) -> int:
+        """What each sequence is padded to: the THD span multiple in ``packing`` mode, else the BSHD row
+        multiple (sequence parallelism splits each row's CP shard over TP ranks)."""
+        return self.sequence_multiple if mode == "packing" else self.total_multiple
+
+
+def micro_batch_tokens(padded_lengths, mode: str) -> int:
+    """Tokens of one micro-batch of these padded lengths: their sum in ``packing`` mode (a THD row holds
+    them end to end), else their count times the longest (BSHD rows padded to the widest)."""
+    lengths = [int(n) for n in padded_lengths]
+    if not lengths:
+        return 0
+    return sum(lengths) if mode == "packing" else max(lengths) * len(lengths)

@@ -22,7 +22,7 @@ from ..validators import require_choice, require_positive_int, require_positive_
 from .balance import BALANCES, ORDERS
 from .cost_model import CostModel
 from .layout import SINGLE_RANK, ParallelLayout
-from .padding import PaddingRule
+from .padding import PaddingRule, micro_batch_tokens
 from .sections import section_keys
 
 __all__ = ["MODES", "StepPlanConfig"]
@@ -201,14 +201,13 @@ class StepPlanConfig:
         (``key``, else the planner's name for it) and the smallest budget that holds it."""
         padded = self.padded_lengths(np.asarray(lengths, dtype=np.int64))
         capacity = self.row_capacity(forward_only)
-        sizes: dict = {}
+        members: dict = {}
         for g, n in zip(groups, padded.tolist(), strict=True):
-            count, total, widest = sizes.get(g, (0, 0, 0))
-            sizes[g] = (count + 1, total + n, max(widest, n))
-        tokens = {g: total if self.mode == "packing" else count * widest for g, (count, total, widest) in sizes.items()}
+            members.setdefault(g, []).append(n)
+        tokens = {g: micro_batch_tokens(spans, self.mode) for g, spans in members.items()}
         group = max(tokens, key=tokens.get)
         if tokens[group] > capacity:
-            count, _, widest = sizes[group]
+            count, widest = len(members[group]), max(members[group])
             how = "padded tokens" if self.mode == "packing" else f"tokens as {count} rows of {widest}"
             raise ValueError(
                 f"group {group!r} has {count} samples and {tokens[group]} {how}, more than one micro-batch holds "
@@ -224,10 +223,8 @@ class StepPlanConfig:
 
     @property
     def length_multiple(self) -> int:
-        """Sequences are padded to this: the THD span multiple, or in dynamic mode the BSHD row multiple
-        (sequence parallelism splits each row's CP shard over TP ranks)."""
-        rule = self.padding_rule
-        return rule.sequence_multiple if self.mode == "packing" else rule.total_multiple
+        """Sequences are padded to this (`PaddingRule.length_multiple` of the mode)."""
+        return self.padding_rule.length_multiple(self.mode)
 
     def padded_lengths(self, lengths: np.ndarray) -> np.ndarray:
         """``lengths`` rounded up to `length_multiple`."""
