@@ -49,6 +49,10 @@ LINKS = {
     "InfiniBand 25 GB/s, 30 us": {"flops_per_byte": 400e12 / 25e9, "step_latency_flops": 30e-6 * 400e12},
 }
 CP, STEPS, PER_RANK = 4, 8, 16
+# what both plans look like (`summarize_dynamic_cp`): real share of computed tokens, micro-batches per rank per
+# step, and the dynamic plan's slowest rank over the mean in its worst step
+PLAN_KEYS = ("utilization", "static_utilization", "micro_batches_per_rank_per_step",
+             "static_micro_batches_per_rank_per_step", "worst_rank_finish_over_mean")  # fmt: skip
 
 
 def lognormal(n: int, seed: int) -> np.ndarray:
@@ -90,11 +94,16 @@ def main(argv=None) -> int:
                         config = StepPlanConfig(mode=mode, train_mb_tokens=budget, layout=layout, cost_model=model)
                         s = summarize_dynamic_cp(batches(draw, ranks), config, global_batch_size=ranks * PER_RANK)
                         ratio, sizes = s["static_over_dynamic"], s["cp_sizes"]
+                        plans = {key: s[key] for key in PLAN_KEYS}
                         rows.append({"mode": mode, "workload": workload, "model": shape_name, "link": link,
-                                     "ranks": ranks, "static_over_dynamic": ratio, "cp_sizes": sizes})  # fmt: skip
+                                     "ranks": ranks, "static_over_dynamic": ratio, "cp_sizes": sizes,
+                                     **plans})  # fmt: skip
                         print(f"{mode:<8} {workload:<42} {shape_name:<16} {link:<26} {ranks:>3} ranks: static / "
-                              f"dynamic predicted step time {ratio:.3f}  (sequences per CP size {sizes})",
-                              flush=True)  # fmt: skip
+                              f"dynamic predicted step time {ratio:.3f}  (sequences per CP size {sizes}; real "
+                              f"tokens {plans['utilization']:.3f} vs static {plans['static_utilization']:.3f}; "
+                              f"micro-batches per rank {plans['micro_batches_per_rank_per_step']:.1f} vs "
+                              f"{plans['static_micro_batches_per_rank_per_step']:.1f}; slowest rank / mean "
+                              f"{plans['worst_rank_finish_over_mean']:.3f})", flush=True)  # fmt: skip
     write_results(args.out, run, rows)
     return 0
 

@@ -127,6 +127,10 @@ def test_plan_quality_small(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"packing", "dynamic"}
+    for r in rows:  # both plans' shape: real shares of the computed tokens, micro-batches, the slowest rank
+        assert 0 < r["static_utilization"] <= 1 and 0 < r["utilization"] <= 1, r
+        assert r["micro_batches_per_rank_per_step"] >= 1 and r["static_micro_batches_per_rank_per_step"] >= 1, r
+        assert r["worst_rank_finish_over_mean"] >= 1, r
 
 
 @pytest.mark.slow
@@ -153,6 +157,10 @@ def test_dynamic_cp_small(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["mode"] for r in rows} == {"packing", "dynamic"}
+    for r in rows:  # both plans' shape: real shares of the computed tokens, micro-batches, the slowest rank
+        assert 0 < r["static_utilization"] <= 1 and 0 < r["utilization"] <= 1, r
+        assert r["micro_batches_per_rank_per_step"] >= 1 and r["static_micro_batches_per_rank_per_step"] >= 1, r
+        assert r["worst_rank_finish_over_mean"] >= 1, r
     ratio = {(r["mode"], r["workload"], r["model"], r["link"]): r["static_over_dynamic"] for r in rows}
     for (mode, workload, model, link), value in ratio.items():
         if link == "flops only":  # the same FLOPs; BSHD rows may pad less than static dynamic batching

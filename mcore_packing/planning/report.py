@@ -244,7 +244,8 @@ def summarize_dynamic_cp(
     """Dynamic CP (`dynamic_cp.plan_dynamic_cp`, ``max_tokens_per_rank = config.train_mb_tokens``) on the
     same batches as `summarize` (``groups``: a group id per sample, each group in one row), against
     ``config``'s static CP plan with the same cost model: sequences per CP size, micro-batches per rank per
-    step, and the predicted step time of both (summed over steps)."""
+    step and the share of computed tokens that are real (both plans), the slowest rank's finish over the
+    mean (dynamic, worst step), and the predicted step time of both (summed over steps)."""
     from .dynamic_cp import DynamicCPConfig, plan_dynamic_cp
 
     lengths = np.asarray(lengths, dtype=np.int64)
@@ -252,7 +253,9 @@ def summarize_dynamic_cp(
     config = replace(config, dynamic_cp=False)  # the static plan to compare with
     sizes = {k: 0 for k in dynamic_config.sizes}
     static = dynamic = 0.0
-    micro = 0
+    micro = static_micro = 0
+    tokens = np.zeros((2, 2))  # [dynamic, static] x [real, padded]
+    worst = 0.0  # the slowest rank's finish over the mean, the worst step
     bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
     for lo, hi in bounds:
         part = None if groups is None else list(groups[lo:hi])
@@ -261,11 +264,20 @@ def summarize_dynamic_cp(
             sizes[k] += n
         dynamic += plan.predicted_step_time
         micro += plan.num_microbatches
+        finish = plan.rank_finish()
+        worst = max(worst, float(finish.max() / finish.mean()) if finish.mean() else 1.0)
         static_plan = plan_step(lengths[lo:hi], config, groups=part)
         static += max(static_plan.rank_costs())
+        static_micro += static_plan.num_microbatches
+        for row, stats in enumerate((plan.stats(), static_plan.stats())):
+            tokens[row] += stats["real_tokens"], stats["padded_tokens"]
     return {
         "cp_sizes": sizes,
         "micro_batches_per_rank_per_step": micro / len(bounds),
+        "static_micro_batches_per_rank_per_step": static_micro / len(bounds),
+        "utilization": tokens[0, 0] / tokens[0, 1],  # real / computed tokens
+        "static_utilization": tokens[1, 0] / tokens[1, 1],
+        "worst_rank_finish_over_mean": worst,
         "predicted_step_cost": dynamic / len(bounds),
         "static_predicted_step_cost": static / len(bounds),
         "static_over_dynamic": static / dynamic if dynamic else 1.0,
