@@ -128,6 +128,8 @@ def test_bad_configs_and_samples_are_refused_naming_the_fix():
         DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(cp=3))
     with pytest.raises(ValueError, match="runs at pp=1"):
         DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(cp=2, pp=2))
+    with pytest.raises(ValueError, match=r"got mode='padded'. Use one of \('packing', 'dynamic'\)"):
+        DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(cp=2), mode="padded")
     config = DynamicCPConfig(max_tokens_per_rank=64, layout=ParallelLayout(cp=2))
     with pytest.raises(ValueError, match=r"sample 1 has 200 tokens.*at least 100"):
         plan_dynamic_cp([10, 200], config)
