@@ -5,9 +5,8 @@
   ``pad_between_seqs``); we detect fields instead of comparing versions.
 - torch: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, CUDA only, fp16/bf16) when
   present. Its signature changed between releases (an ``is_causal`` flag first; keyword ``window_size``,
-  ``scale`` and ``enable_gqa`` later); `varlen_attention` calls either. ``all_gather_into_tensor`` is
-  deprecated for ``all_gather_single`` in newer torch (a FutureWarning on every CP step); `all_gather_into`
-  calls whichever exists.
+  ``scale`` and ``enable_gqa`` later); `varlen_attention` calls either. (Collectives, and torch's
+  renamed all-gather among them, live in `mcore_packing.collectives`.)
 - pyarrow: optional (``pip install 'mcore-packing[arrow]'``): ``prepare`` reads Parquet files and Hugging Face
   ``datasets`` folders (``save_to_disk``: Arrow stream files) through it; JSONL needs nothing.
 """
@@ -20,7 +19,6 @@ import importlib
 import importlib.metadata
 
 __all__ = [
-    "all_gather_into",
     "megatron_core_version",
     "packed_seq_params_fields",
     "require_megatron",
@@ -30,14 +28,6 @@ __all__ = [
     "varlen_attention",
     "varlen_attn_available",
 ]
-
-
-def all_gather_into(output, local, group) -> None:
-    """Gather equal-shaped ``local`` tensors of ``group`` into ``output`` (concatenated along dim 0)."""
-    import torch.distributed as dist
-
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(output, local, group=group)
 
 
 @functools.lru_cache(maxsize=1)

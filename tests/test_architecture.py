@@ -19,6 +19,7 @@ PACKAGE = ROOT / "mcore_packing"
 LAYERS = {
     "validators": 0,
     "compat": 0,
+    "collectives": 0,
     "data": 1,
     "packing": 1,
     "planning": 2,

@@ -107,3 +107,16 @@ def test_bshd_partition():
     assert torch.equal(torch.cat(parts, dim=1).sort(dim=1).values, x)
     with pytest.raises(ValueError, match="not divisible by 2\\*cp_size = 6"):
         bshd_partition_indices(10, 3, 0)
+
+
+def test_bshd_inverse_order_by_arithmetic_inverts_the_rank_ordered_shards():
+    """The index computed on the device (no host data) puts the concatenated shards back in order."""
+    from mcore_packing.thd.context_parallel import bshd_inverse_order, bshd_partition_indices
+
+    for cp, seq_len in itertools.product((1, 2, 3, 4), (12, 24, 48)):
+        if seq_len % (2 * cp):
+            continue
+        concatenated = torch.cat([bshd_partition_indices(seq_len, cp, r) for r in range(cp)])
+        assert torch.equal(concatenated[bshd_inverse_order(seq_len, cp)], torch.arange(seq_len)), (cp, seq_len)
+    with pytest.raises(ValueError, match="not divisible by 2\\*cp_size = 4"):
+        bshd_inverse_order(6, 2)

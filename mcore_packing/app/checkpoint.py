@@ -230,8 +230,7 @@ class Checkpointer:
 
     def save(self, step: int, setup: TrainingSetup, sampler: GlobalBatchSampler) -> Path:
         """Collective: write the checkpoint of ``step`` (see the module docstring); returns its folder."""
-        import torch.distributed as dist
-
+        from ..collectives import barrier
         from ..megatron.dist_checkpoint import save_training_state
 
         final = self.folder / f"{_STEP_PREFIX}{step:06d}"
@@ -240,9 +239,9 @@ class Checkpointer:
             self.folder.mkdir(parents=True, exist_ok=True)
             shutil.rmtree(partial, ignore_errors=True)
             partial.mkdir()
-        dist.barrier()
+        barrier()
         save_training_state(partial, setup.policy.model, setup.policy.optimizer)
-        dist.barrier()
+        barrier()
         if self.rank == 0:
             manifest = self._manifest(step, setup, sampler)
             manifest["files"] = {p.name: p.stat().st_size for p in sorted(partial.iterdir()) if p.is_file()}
@@ -253,7 +252,7 @@ class Checkpointer:
             _fsync_dir(self.folder)
             _write_atomically(self.folder / "latest", final.name)
             self._prune()
-        dist.barrier()
+        barrier()
         return final
 
     def _prune(self) -> None:

@@ -21,9 +21,8 @@ STOP_FILE_ENV = "MCORE_PACKING_STOP_FILE"
 class StopRequest:
     """Whether the launcher asked for a stop (one tiny all-reduce per step when a stop file is set)."""
 
-    def __init__(self, path: str | None = None, *, device=None):
+    def __init__(self, path: str | None = None):
         path = path if path is not None else os.environ.get(STOP_FILE_ENV)
-        self.device = device  # the run's device (setup.device): NCCL reduces only GPU tensors
         self.path = Path(path) if path else None
         self.reason = f"{self.path} exists" if self.path else None
 
@@ -31,9 +30,9 @@ class StopRequest:
         """The same answer on every rank (collective when a stop file is configured)."""
         if self.path is None:
             return False
-        import torch
         import torch.distributed as dist
 
-        flag = torch.tensor([1.0 if dist.get_rank() == 0 and self.path.exists() else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item() > 0)
+        from ..collectives import all_reduce_values
+
+        (flag,) = all_reduce_values([1.0 if dist.get_rank() == 0 and self.path.exists() else 0.0], None, op="max")
+        return flag > 0

@@ -156,7 +156,7 @@ def train(cfg: TrainConfig) -> dict:
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
-        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest(device=setup.policy.device)
+        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest()
         meters = _moe_meters(setup.policy, inputs.shape)
         for step in range(start + 1, cfg.training.steps + 1):
             batch_ids = inputs.data.sample_ids(sampler.next_batch())
@@ -164,7 +164,7 @@ def train(cfg: TrainConfig) -> dict:
                 meter.reset()
             plan, outcome, extra_metrics = take_step(batch_ids)
             for meter in meters:  # a collective, on every rank
-                extra_metrics = {**(extra_metrics or {}), **meter.metrics(setup.policy.device)}
+                extra_metrics = {**(extra_metrics or {}), **meter.metrics()}
             metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
             summary["losses"].append(outcome.result.loss)
             summary["steps"].append(step)
@@ -201,7 +201,7 @@ def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> N
     import subprocess
     import sys
 
-    import torch.distributed as dist
+    from ..collectives import barrier
 
     if rank == 0:
         env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARS and not k.startswith("TORCHELASTIC")}
@@ -209,7 +209,7 @@ def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> N
                    "--out", cfg.training.export_dir, "--dtype", cfg.model.dtype]  # fmt: skip
         subprocess.run(command, env=env, check=True)
         log.info("exported a Hugging Face folder to %s", cfg.training.export_dir)
-    dist.barrier()
+    barrier()
 
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -32,8 +32,8 @@ from dataclasses import replace
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import all_reduce
 from ..data.sample import SequenceSample
 from ..planning.dynamic_cp import CPRow, DynamicCPPlan
 from ..planning.layout import ParallelLayout
@@ -86,7 +86,7 @@ def forward_backward_dynamic_cp(
 
     store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only)
     return StepResult(
-        loss=_step_loss(store, process_groups),
+        loss=_step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,
         num_sequences=totals.num_sequences,
         num_microbatches=len(mine),
@@ -104,19 +104,19 @@ def compute_logprobs_dynamic_cp(
     groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
     prepared = [_prepare_row(row, samples, plan, process_groups, None, None, device) for row in mine]
-    out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32)
+    out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32, device=device)
 
     def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
         rows = per_sample_logprobs(prep, output.detach(), row_groups)
         if row_groups.cp_rank == 0:  # every rank of the row holds the same gathered values: write them once
             for sample, logprobs, _ in rows:
-                out[sample, : logprobs.numel()] = logprobs.cpu()
+                out[sample, : logprobs.numel()] = logprobs  # device to device
         return output.new_zeros(()), {}
 
     with torch.no_grad():
         _run(model, prepared, loss_func, process_groups, forward_only=True)
     if group_size(process_groups.dp_cp) > 1:
-        dist.all_reduce(out, group=process_groups.dp_cp)
+        all_reduce(out, process_groups.dp_cp)
     return out
 
 

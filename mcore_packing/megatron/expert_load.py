@@ -46,16 +46,13 @@ class ExpertLoadMeter:
         if self.counts is not None:
             self.counts.zero_()
 
-    def metrics(self, device: torch.device | str = "cpu") -> dict:
+    def metrics(self) -> dict:
         """``expert_load_max_over_mean`` (the worst MoE layer) and ``expert_load_mean_max_over_mean`` (the
         mean over MoE layers) of the counts since the last `reset`, summed over every rank."""
-        import torch.distributed as dist
+        from ..collectives import all_reduce
 
-        counts = torch.zeros(self.shape, dtype=torch.int64) if self.counts is None else self.counts
-        counts = counts.to(device)
-        if dist.is_initialized():
-            dist.all_reduce(counts)
-        counts = counts.cpu().double()
+        counts = torch.zeros(self.shape, dtype=torch.int64) if self.counts is None else self.counts.clone()
+        counts = all_reduce(counts, None).cpu().double()  # on the backend's device; one copy back
         layers = [i for i in range(counts.shape[0]) if counts[i].sum() > 0]
         if not layers:
             return {}

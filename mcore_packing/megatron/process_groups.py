@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..collectives import all_gather_object, all_gather_tensors
 from ..planning.step_plan import StepPlan
 
 __all__ = ["STEP_GROUPS", "DynamicCPGroups", "ProcessGroups", "group_rank", "group_size", "verify_plan_across_ranks"]
@@ -52,8 +53,7 @@ class DynamicCPGroups:
         mine = tuple(dist.get_process_group_ranks(domain)) if domain is not None else (dist.get_rank(),)
         if len(mine) % max_cp:
             raise ValueError(f"the DP x CP domain has {len(mine)} ranks, not a multiple of max_cp={max_cp}.")
-        domains = [None] * dist.get_world_size()
-        dist.all_gather_object(domains, mine)
+        domains = all_gather_object(mine)
         groups = {}
         for ranks in sorted(set(domains)):
             k = 1
@@ -182,9 +182,7 @@ def verify_plan_across_ranks(plan: StepPlan, group) -> None:
     One small all-gather of the plan's fingerprint; every rank of the group must call this.
     """
     digest = np.frombuffer(bytes.fromhex(plan.fingerprint())[:16], dtype=np.int64).copy()
-    mine = torch.from_numpy(digest)
-    gathered = [torch.empty_like(mine) for _ in range(group_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    gathered = all_gather_tensors(torch.from_numpy(digest), group)  # on the device the backend takes
     differing = [r for r, t in enumerate(gathered) if not torch.equal(t, gathered[0])]
     if differing:
         raise ValueError(

@@ -44,8 +44,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import all_reduce, all_reduce_values
 from ..planning.model_shape import MOE_LOAD_BALANCING, check_balance_loss
 
 __all__ = ["RouterLoss", "RouterLossConfig", "attached_router_loss"]
@@ -141,19 +141,17 @@ class RouterLoss:
         if self.values is not None:
             self.values.zero_()
 
-    def metrics(self, device: torch.device | str = "cpu") -> dict:
+    def metrics(self) -> dict:
         """The balance and z-loss since the last `reset` (each the mean over MoE layers and training
         passes, without its coefficient), summed over every rank: a collective, every rank calls it."""
         values = torch.zeros(2, dtype=torch.float64) if self.values is None else self.values.double()
-        values = values.to(device)
-        if dist.is_initialized():
-            dist.all_reduce(values)
+        balance, z = all_reduce_values(values.unbind(), None)  # one transfer each way
         layers = self.num_moe_layers * max(self.steps, 1)
         out = {}
         if self.config.balance_on:
-            out["moe_balance_loss"] = float(values[0]) / layers
+            out["moe_balance_loss"] = balance / layers
         if self.config.z_coeff > 0:
-            out["moe_z_loss"] = float(values[1]) / layers
+            out["moe_z_loss"] = z / layers
         return out
 
     def _hook(self, router, args, output):
@@ -201,10 +199,10 @@ class RouterLoss:
         real = (~pads).unsqueeze(-1)
         num_sequences = self._lengths.numel()
         counts = scores.new_zeros(num_sequences, num_experts).index_add(0, index, chosen.to(scores.dtype))
-        if self.reduce_group is not None and dist.get_world_size(self.reduce_group) > 1:
-            dist.all_reduce(counts, group=self.reduce_group)  # the sequence's tokens on every TP/CP shard
+        if self.reduce_group is not None:
+            all_reduce(counts, self.reduce_group)  # the sequence's tokens on every TP/CP shard
         sums = scores.new_zeros(num_sequences, num_experts).index_add(0, index, scores * real)
-        lengths = self._lengths.to(device=scores.device, dtype=scores.dtype)
+        lengths = self._lengths.to(scores.dtype)  # on the device: prepared with the micro-batch
         per_sequence = (counts * sums).sum(-1) * num_experts / (topk * lengths.square())
         return per_sequence.sum()
 

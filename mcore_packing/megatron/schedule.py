@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-import torch.distributed as dist
 
+from ..collectives import all_reduce, broadcast
 from ..data.sample import SequenceSample
 from ..planning.dynamic_cp import DynamicCPPlan
 from ..planning.pipeline import check_interleaved_count
@@ -127,7 +127,7 @@ def forward_backward(
         for router_loss in router_losses:
             router_loss.end_step()
     return StepResult(
-        loss=_step_loss(store, process_groups),
+        loss=_step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,
         num_sequences=totals.num_sequences,
         num_microbatches=len(micro),
@@ -148,8 +148,9 @@ def compute_logprobs(
     """Per-token log-probs of every sample's next tokens, ``[N, S_max - 1]`` in input order (0 on padding).
 
     Row ``i`` position ``j`` is ``log p(tokens_i[j + 1] | tokens_i[:j + 1])``. Forward-only through
-    Megatron's schedule with the plan's (logprob) micro-batches. Every rank returns the full tensor: the
-    last pipeline stage computes it, CP shards are gathered, DP ranks' rows are summed together, and the
+    Megatron's schedule with the plan's (logprob) micro-batches. Every rank returns the full tensor, on
+    ``device`` (written there by each micro-batch's loss function, with no copy to the host): the last
+    pipeline stage computes it, CP shards are gathered, DP ranks' rows are summed together, and the
     result is broadcast over the pipeline. A dynamic-CP plan (`planning.dynamic_cp.DynamicCPPlan`) runs
     each row on its CP sub-group (`dynamic_cp.compute_logprobs_dynamic_cp`).
     """
@@ -164,17 +165,17 @@ def compute_logprobs(
                     segments=_is_moe(model_config))  # fmt: skip
     micro = plan.for_rank(process_groups.dp_rank)
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
-    out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32)
+    out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32, device=device)
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
         for sample, logprobs, _ in per_sample_logprobs(prep, output.detach(), process_groups):
-            out[sample, : logprobs.numel()] = logprobs.cpu()
+            out[sample, : logprobs.numel()] = logprobs  # device to device
         return output.new_zeros(()), {}
 
     with torch.no_grad():
         _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=True)
     if group_size(process_groups.dp) > 1:
-        dist.all_reduce(out, group=process_groups.dp)  # each row was filled by exactly one DP rank
+        all_reduce(out, process_groups.dp)  # each row was filled by exactly one DP rank
     _broadcast_from_last_stage(out, process_groups)
     return out
 
@@ -223,7 +224,7 @@ def _forward_step(loss_func, process_groups: ProcessGroups):
         router_loss = attached_router_loss(model_chunk)
         if router_loss is not None and prep.segments is not None:
             router_loss.begin_micro_batch(_router_segments(prep, model_chunk, process_groups),
-                                          torch.tensor(prep.real_lengths))  # fmt: skip
+                                          prep.sequence_lengths)  # fmt: skip
         output = model_chunk(
             prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params, **extra
         )
@@ -281,23 +282,22 @@ def _router_losses(model) -> list:
     return [loss for loss in (attached_router_loss(chunk) for chunk in chunks) if loss is not None]
 
 
-def _step_loss(store: list[dict], process_groups: ProcessGroups) -> float:
-    """The step's exact loss on every rank: summed on the last stage over micro-batches and DP x CP,
-    then broadcast over the pipeline."""
-    loss = torch.zeros(1)
+def _step_loss(store: list[dict], process_groups: ProcessGroups, device: torch.device) -> float:
+    """The step's exact loss on every rank: summed on the last stage over micro-batches (on the device)
+    and DP x CP, then broadcast over the pipeline; read to the host once, after the schedule."""
+    loss = torch.zeros(1, dtype=torch.float32, device=device)
     if process_groups.is_last_stage:
         for item in store:
-            loss += item["weighted_loss"].float().cpu()
+            loss += item["weighted_loss"].float()
         if group_size(process_groups.dp_cp) > 1:
-            dist.all_reduce(loss, group=process_groups.dp_cp)
+            all_reduce(loss, process_groups.dp_cp)
     _broadcast_from_last_stage(loss, process_groups)
     return float(loss.item())
 
 
 def _broadcast_from_last_stage(tensor: torch.Tensor, process_groups: ProcessGroups) -> None:
-    pp = process_groups.pp
-    if pp is not None and process_groups.pp_size > 1:
-        dist.broadcast(tensor, src=dist.get_global_rank(pp, process_groups.pp_size - 1), group=pp)
+    if process_groups.pp is not None and process_groups.pp_size > 1:
+        broadcast(tensor, process_groups.pp_size - 1, process_groups.pp)
 
 
 def _check_step(model, samples: Sequence[SequenceSample], plan: StepPlan):

@@ -9,12 +9,10 @@ from collections.abc import Sequence
 __all__ = ["sum_over_ranks"]
 
 
-def sum_over_ranks(values: Sequence[float], device) -> list[float]:
-    """``values`` summed element-wise over the whole world (one all-reduce; a world of one returns them)."""
-    import torch
-    import torch.distributed as dist
+def sum_over_ranks(values: Sequence[float]) -> list[float]:
+    """``values`` (numbers, or 0-d tensors on one device) summed element-wise over the whole world: one
+    all-reduce on the device the backend takes (`collectives.all_reduce_values`); a world of one returns
+    them."""
+    from ..collectives import all_reduce_values
 
-    tensor = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor.cpu().tolist()
+    return all_reduce_values(values, None)

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..compat import all_gather_into, te_thd_partitioned_indices
+from ..collectives import all_gather_into, all_reduce
+from ..compat import te_thd_partitioned_indices
 from ..validators import require_positive_int
 from .packed_batch import PackedBatch
 
@@ -167,8 +168,7 @@ class _AllGatherCat(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
+        grad = all_reduce(grad.contiguous(), ctx.group)
         return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows], None
 
 
@@ -190,15 +190,29 @@ def thd_inverse_order(cu_seqlens_padded, total_tokens: int, cp_size: int) -> tor
     )
 
 
-def bshd_inverse_order(seq_len: int, cp_size: int) -> torch.Tensor:
-    """Index that puts the rank-ordered concatenation of a row's CP shards back into position order."""
-    return _inverse(torch.cat([bshd_partition_indices(seq_len, cp_size, r) for r in range(cp_size)]))
+def bshd_inverse_order(seq_len: int, cp_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Index that puts the rank-ordered concatenation of a row's CP shards back into position order.
+
+    Computed by arithmetic on ``device`` (no host data, so no transfer): position ``p`` lies in chunk
+    ``j = p // c`` (``c = seq_len / 2cp``), kept by rank ``j`` (first half) or ``2cp - 1 - j`` (second),
+    at that rank's offset 0 or ``c`` within its ``2c`` tokens."""
+    _check_cp(cp_size, 0)
+    if seq_len % (2 * cp_size):
+        raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp_size = {2 * cp_size}.")
+    chunk = seq_len // (2 * cp_size)
+    position = torch.arange(seq_len, device=device)
+    j = position // chunk
+    late = j >= cp_size
+    rank = torch.where(late, 2 * cp_size - 1 - j, j)
+    return rank * (2 * chunk) + late * chunk + position % chunk
 
 
-def gather_from_cp(local: torch.Tensor, batch: PackedBatch, group) -> torch.Tensor:
+def gather_from_cp(local: torch.Tensor, batch: PackedBatch, group, inverse: torch.Tensor | None = None) -> torch.Tensor:
     """Gather per-rank THD outputs ``[T/cp, ...]`` over the CP group into ``[T, ...]`` in packed order.
 
-    Differentiable. ``batch`` is the rank's shard (or the whole batch) and supplies the layout.
+    Differentiable. ``batch`` is the rank's shard (or the whole batch) and supplies the layout;
+    ``inverse``: its `thd_inverse_order` already on ``local``'s device (`prepare` moves it with the
+    micro-batch), else built here and copied.
     """
     cp_size = dist.get_world_size(group)
     if local.shape[0] * cp_size != batch.total_tokens:
@@ -207,7 +221,8 @@ def gather_from_cp(local: torch.Tensor, batch: PackedBatch, group) -> torch.Tens
             f"{batch.total_tokens} tokens needs {batch.total_tokens // cp_size} per rank."
         )
     gathered = all_gather_cat(local, group)
-    inverse = thd_inverse_order(batch.cu_seqlens_padded, batch.total_tokens, cp_size).to(local.device)
+    if inverse is None:
+        inverse = thd_inverse_order(batch.cu_seqlens_padded, batch.total_tokens, cp_size).to(local.device)
     return gathered[inverse]
 
 
@@ -236,5 +251,4 @@ def gather_bshd_from_cp(local: torch.Tensor, group, seq_dim: int = 1) -> torch.T
     cp_size = dist.get_world_size(group)
     moved = local.movedim(seq_dim, 0)
     gathered = all_gather_cat(moved, group)
-    inverse = bshd_inverse_order(gathered.shape[0], cp_size).to(local.device)
-    return gathered[inverse].movedim(0, seq_dim)
+    return gathered[bshd_inverse_order(gathered.shape[0], cp_size, device=local.device)].movedim(0, seq_dim)

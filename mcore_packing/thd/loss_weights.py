@@ -44,13 +44,14 @@ class StepTotals:
 
     @classmethod
     def all_reduce(cls, local_tokens: int, local_sequences: int, local_groups: int, group) -> StepTotals:
-        """Sum the local counts over ``group`` (DP x CP); one small all-reduce per step."""
-        import torch.distributed as dist
+        """Sum the local counts over ``group`` (DP x CP); one small all-reduce per step (on the device the
+        group's backend takes: `collectives.all_reduce_values`)."""
+        from ..collectives import all_reduce_values
 
-        counts = torch.tensor([local_tokens, local_sequences, local_groups], dtype=torch.int64)
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(counts, group=group)
-        tokens, sequences, groups = (int(x) for x in counts.tolist())
+        counts = [local_tokens, local_sequences, local_groups]
+        if group is not None:
+            counts = all_reduce_values(counts, group, dtype=torch.int64)
+        tokens, sequences, groups = (int(x) for x in counts)
         if tokens == 0:
             raise ValueError(
                 "The global batch has no valid target token (every loss_mask entry is 0, or every sample has a "
@@ -85,6 +86,6 @@ def megatron_loss_output(
     """What the loss function hands back to Megatron's schedule (see the module docstring)."""
     stats = {"weighted_loss": weighted_sum.detach().clone().reshape(1)}
     if calculate_per_token_loss:
-        num_tokens = torch.tensor(local_valid_tokens, dtype=torch.int, device=weighted_sum.device)
+        num_tokens = torch.full((), local_valid_tokens, dtype=torch.int, device=weighted_sum.device)  # no copy
         return weighted_sum * totals.num_tokens, num_tokens, stats
     return weighted_sum * (dp_size * num_microbatches), stats

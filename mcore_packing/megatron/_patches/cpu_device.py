@@ -27,7 +27,8 @@ alone. Everything else passes through to the
 real torch. Every redirected call site is recorded, so a test can pin the exact set to the installed
 megatron-core and an upgrade cannot silently change it.
 
-It is a stand-in for a GPU, used only when ``torch.cuda.is_available()`` is False.
+It is a stand-in for a GPU, used when the run's device is the CPU (`cpu_device_adapter(device=...)`; by
+default when ``torch.cuda.is_available()`` is False).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import threading
 from collections.abc import Iterator
 
 import torch
+
+from ...collectives import all_gather_tensors, all_reduce
 
 __all__ = ["PATCHED_MODULES", "CpuDeviceAdapter", "cpu_device_adapter"]
 
@@ -243,8 +246,7 @@ class CpuDeviceAdapter:
             sizes = [int(n) for n in output_split_sizes]
             padded = input_.new_zeros((max(sizes), *input_.shape[1:]))
             padded[: input_.shape[0]] = input_
-            pieces = [torch.empty_like(padded) for _ in sizes]
-            torch.distributed.all_gather(pieces, padded.contiguous(), group=group)
+            pieces = all_gather_tensors(padded, group)
             return torch.cat([p[:n] for p, n in zip(pieces, sizes, strict=True)])
 
         return gather
@@ -258,8 +260,7 @@ class CpuDeviceAdapter:
             if input_split_sizes is None or group.size() == 1:
                 return original(input_, group, input_split_sizes, use_global_buffer)
             adapter._record(module, "_reduce_scatter_along_first_dim(uneven)")
-            total = input_.clone().contiguous()
-            torch.distributed.all_reduce(total, group=group)
+            total = all_reduce(input_.clone().contiguous(), group)
             sizes = [int(n) for n in input_split_sizes]
             start = sum(sizes[: group.rank()])
             return total[start : start + sizes[group.rank()]].contiguous()
@@ -325,14 +326,17 @@ _ACTIVE: CpuDeviceAdapter | None = None
 
 
 @contextlib.contextmanager
-def cpu_device_adapter(force: bool = False) -> Iterator[CpuDeviceAdapter | None]:
-    """Redirect Megatron's CUDA call sites to the CPU inside the block, when there is no GPU.
+def cpu_device_adapter(
+    force: bool = False, device: torch.device | str | None = None
+) -> Iterator[CpuDeviceAdapter | None]:
+    """Redirect Megatron's CUDA call sites to the CPU inside the block when the run's ``device`` is the
+    CPU (a CPU run on a GPU machine too); ``device`` None: when there is no GPU.
 
-    Yields the adapter (or None when a GPU is present and ``force`` is False). Nested use reuses the
-    active adapter.
+    Yields the adapter (or None for a CUDA run, unless ``force``). Nested use reuses the active adapter.
     """
     global _ACTIVE
-    if torch.cuda.is_available() and not force:
+    on_cpu = torch.device(device).type == "cpu" if device is not None else not torch.cuda.is_available()
+    if not on_cpu and not force:
         yield None
         return
     if _ACTIVE is not None:
