@@ -331,16 +331,16 @@ def _apply_negative_control(kind: str | None):
 def _record_cu_lengths(prepare) -> tuple[list[int], list[tuple]]:
     """Record the cu_seqlens length of every ``PackedSeqParams`` the builder makes (fixed-shape checks),
     and its TransformerEngine CP fields as ``(local_cp_size, cp_group's size or None)``."""
-    lengths, cp_fields, build = [], [], prepare.to_packed_seq_params
+    lengths, cp_fields, build = [], [], prepare.host_packed_seq_params
 
     def recording(*args, **kwargs):
-        params = build(*args, **kwargs)
+        params, host = build(*args, **kwargs)
         lengths.append(params.cu_seqlens_q.numel())
         group = getattr(params, "cp_group", None)
         cp_fields.append((getattr(params, "local_cp_size", None), None if group is None else group.size()))
-        return params
+        return params, host
 
-    prepare.to_packed_seq_params = recording
+    prepare.host_packed_seq_params = recording
     return lengths, cp_fields
 
 

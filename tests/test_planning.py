@@ -161,8 +161,9 @@ def test_bad_configs(kwargs, fragment):
 
 
 def test_fixed_shape_rows_are_full_and_their_cu_seqlens_length_bounds_every_row():
-    """Every row of a fixed-shape plan has the capacity's length, and cu_seqlens_entries is one more than
-    the most sequences such a row can hold (all of the shortest kind), whatever the data."""
+    """Every row of a fixed-shape plan has the capacity's length, and cu_seqlens_entries is two more than
+    the most sequences such a row can hold (all of the shortest kind: one spare zero-length entry), whatever
+    the data."""
     layout = ParallelLayout(cp=2, dp=2)
     config = StepPlanConfig(train_mb_tokens=64, layout=layout, fixed_shape=True)
     assert config.use_fixed_length and StepPlanConfig(train_mb_tokens=64, layout=layout).cu_seqlens_entries(128) is None
@@ -171,6 +172,6 @@ def test_fixed_shape_rows_are_full_and_their_cu_seqlens_length_bounds_every_row(
     rows = {mb.shape for rank in plan.micro_batches for mb in rank}
     assert rows == {(1, config.row_capacity())} == {(1, 128)}
     entries = config.cu_seqlens_entries(128)
-    assert entries == 128 // 4 + 1  # CP2: every sequence is padded to a multiple of 4
+    assert entries == 128 // 4 + 2  # CP2: every sequence is padded to a multiple of 4
     tightest = plan_step([1] * 64, config)  # one-token sequences: the most a row can hold
-    assert max(len(mb.sample_indices) for rank in tightest.micro_batches for mb in rank) + 1 == entries
+    assert max(len(mb.sample_indices) for rank in tightest.micro_batches for mb in rank) + 2 == entries

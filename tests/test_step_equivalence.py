@@ -55,9 +55,9 @@ def errors(result: dict, reference: dict) -> tuple[float, float]:
 def check(result: dict, reference: dict) -> None:
     assert result["all_losses_equal"]
     cfg = result["config"]
-    if cfg.get("fixed_shape"):  # one cu_seqlens length: the most sequences a full row holds, plus one
-        cp = cfg.get("cp", 1)
-        assert result["cu_lengths"] == [cfg.get("train_mb_tokens", 96) * cp // (2 * cp if cp > 1 else 1) + 1]
+    if cfg.get("fixed_shape"):  # one cu_seqlens length: the most sequences a full row holds, plus two (the
+        cp = cfg.get("cp", 1)  # boundary and a spare zero-length entry: `te_contract`)
+        assert result["cu_lengths"] == [cfg.get("train_mb_tokens", 96) * cp // (2 * cp if cp > 1 else 1) + 2]
     loss_err, grad_err = errors(result, reference)
     assert loss_err <= LOSS_RTOL and grad_err <= GRAD_RTOL, (result["config"], loss_err, grad_err)
 

@@ -10,7 +10,7 @@ sample's log-probs and loss mask.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -26,7 +26,8 @@ from ..thd.context_parallel import (
 )
 from ..thd.loss_weights import LossNormalization, StepTotals, token_weights
 from ..thd.packed_batch import PackedBatch, build_packed_batch
-from .packed_seq import to_packed_seq_params
+from ..thd.transfer import to_device_once
+from .packed_seq import host_packed_seq_params, on_device, thd_fields
 from .process_groups import ProcessGroups
 
 __all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "prepare_micro_batch"]
@@ -35,7 +36,9 @@ __all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "pr
 @dataclass(frozen=True, kw_only=True)
 class PreparedMicroBatch:
     """One micro-batch on this rank. Token tensors are this CP rank's part; the ``full_*`` fields and
-    ``packed`` describe the whole micro-batch before the CP split (for gathering outputs)."""
+    ``packed`` describe the whole micro-batch before the CP split (for gathering outputs). Every tensor
+    is on the step's device (moved in one transfer); the counts are host ints, so a loss reads them
+    without a device sync."""
 
     plan: MicroBatchPlan
     tokens: torch.Tensor
@@ -49,9 +52,12 @@ class PreparedMicroBatch:
     real_lengths: tuple[int, ...]
     full_loss_mask: torch.Tensor  # [T] (THD) or [rows, width] (BSHD)
     local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
+    target_counts: tuple[float, ...] = ()  # each sample's loss-mask sum over its targets (host), in row order
+    cp_inverse: torch.Tensor | None = None  # THD under CP: gathered shards (rank order) -> packed order
     group_ids: tuple | None = None  # the plan's group id of every sample of the step (indexed by sample id)
     segments: torch.Tensor | None = None  # like ``tokens`` (int64): each token's sequence in the micro-batch
     # (its index in ``sample_ids``), -1 at pad tokens; built for MoE models (router statistics, balance loss)
+    sequence_lengths: torch.Tensor | None = None  # the real lengths on the device (MoE: the balance loss)
 
     @property
     def padding_mask(self) -> torch.Tensor | None:
@@ -73,17 +79,35 @@ def prepare_micro_batch(
 ) -> PreparedMicroBatch:
     """Build ``mb``'s tensors for this rank (see the module docstring). Per-token weights are built for
     ``normalization`` when ``totals`` are given (the NLL losses); None builds none. ``segments``: also
-    each token's sequence index, -1 at pads (for MoE routers; dense models need none)."""
+    each token's sequence index, -1 at pads (for MoE routers; dense models need none). Everything is
+    built on the host and reaches ``device`` in one non-blocking transfer (`thd.transfer.to_device_once`)."""
     chosen = [samples[i] for i in mb.sample_indices]
     prepare = _prepare_thd if plan.config.mode == "packing" else _prepare_bshd
     weigh = totals is not None and normalization is not None
-    prep = prepare(mb, chosen, plan, process_groups, totals if weigh else None, normalization, device, pad_token_id,
-                   segments)  # fmt: skip
-    return replace(prep, group_ids=plan.groups) if plan.groups is not None else prep  # the plan's own tuple
+    host, fields = prepare(mb, chosen, plan, process_groups, totals if weigh else None, normalization, pad_token_id,
+                           segments)  # fmt: skip
+    if segments:
+        host["sequence_lengths"] = torch.tensor(fields["real_lengths"], dtype=torch.float32)
+    thd, local = fields.pop("thd", None), fields.pop("local", None)
+    params = None
+    if thd is not None:  # built on the host; its tensors travel with the rest
+        params, params_host = host_packed_seq_params(local, thd, cp_group=process_groups.cp)
+        host.update({f"params.{name}": t for name, t in params_host.items()})
+    moved = to_device_once(host, device)
+    if params is not None:
+        on_device(params, {name[len("params.") :]: t for name, t in moved.items() if name.startswith("params.")})
+    tensors = {name: moved.get(name) for name in _TENSOR_FIELDS}
+    tensors["cp_inverse"] = moved.get("params.cp_inverse")  # THD under CP: the params' gather index
+    return PreparedMicroBatch(plan=mb, packed_seq_params=params, target_counts=tuple(_target_sum(s) for s in chosen),
+                              group_ids=plan.groups, **tensors, **fields)  # fmt: skip
 
 
-def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id,
-                 segments) -> PreparedMicroBatch:  # fmt: skip
+_TENSOR_FIELDS = ("tokens", "position_ids", "labels", "loss_mask", "weights", "full_loss_mask", "segments",
+                  "sequence_lengths")  # fmt: skip
+
+
+def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_token_id, segments):
+    """Host tensors of a packed THD row cut for this CP rank, and the fields that are not tensors."""
     config = plan.config
     batch = build_packed_batch(
         chosen,
@@ -107,28 +131,17 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, device
         seg = torch.full((batch.total_tokens,), -1, dtype=torch.int64)
         for i, (start, length) in enumerate(zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False)):
             seg[start : start + length] = i
-        seg = (seg if index is None else seg[index])[None].to(device)
-    return PreparedMicroBatch(
-        plan=mb,
-        tokens=local.tokens.to(device),
-        position_ids=local.position_ids.to(device),
-        labels=local.labels.to(device),
-        loss_mask=local.loss_mask.to(device),
-        weights=weights.to(device) if weights is not None else None,
-        packed_seq_params=to_packed_seq_params(
-            local, device=device, cp_group=process_groups.cp, cu_entries=config.cu_seqlens_entries(batch.total_tokens)
-        ),
-        packed=batch,
-        sample_ids=batch.sample_ids,
-        real_lengths=batch.seq_lengths,
-        full_loss_mask=batch.loss_mask[0].to(device),
-        local_valid_tokens=int(local.loss_mask.sum().item()),
-        segments=seg,
-    )
+        seg = (seg if index is None else seg[index])[None]
+    thd = thd_fields(local, cu_entries=config.cu_seqlens_entries(batch.total_tokens))
+    host = dict(tokens=local.tokens, position_ids=local.position_ids, labels=local.labels, loss_mask=local.loss_mask,
+                weights=weights, full_loss_mask=batch.loss_mask[0], segments=seg)  # fmt: skip
+    fields = dict(packed=batch, sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths, thd=thd, local=local,
+                  local_valid_tokens=int(local.loss_mask.sum().item()))  # fmt: skip
+    return host, fields
 
 
-def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, device, pad_token_id,
-                  segments) -> PreparedMicroBatch:  # fmt: skip
+def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, pad_token_id, segments):
+    """Host tensors of padded BSHD rows cut for this CP rank, and the fields that are not tensors."""
     rows, width = mb.shape
     # Each BSHD row is a one-sequence packed row padded to the micro-batch width (same label shift).
     built = [build_packed_batch([s], pad_to=width, pad_token_id=pad_token_id) for s in chosen]
@@ -138,21 +151,14 @@ def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, devic
         weights = token_weights(loss_mask.reshape(-1), [width] * rows, normalization, totals).reshape(rows, width)
     split = partial(slice_bshd_for_cp, cp_size=process_groups.cp_size, cp_rank=process_groups.cp_rank, seq_dim=1)
     local_mask = split(loss_mask)
-    return PreparedMicroBatch(
-        plan=mb,
-        tokens=split(torch.cat([b.tokens for b in built])).to(device),
-        position_ids=split(torch.arange(width).expand(rows, width)).contiguous().to(device),
-        labels=split(torch.cat([b.labels for b in built])).to(device),
-        loss_mask=local_mask.to(device),
-        weights=split(weights).to(device) if weights is not None else None,
-        packed_seq_params=None,
-        packed=None,
-        sample_ids=mb.sample_indices,
-        real_lengths=tuple(b.seq_lengths[0] for b in built),
-        full_loss_mask=loss_mask.to(device),
-        local_valid_tokens=int(local_mask.sum().item()),
-        segments=_bshd_segments(built, width, split).to(device) if segments else None,
-    )
+    host = dict(tokens=split(torch.cat([b.tokens for b in built])),
+                position_ids=split(torch.arange(width).expand(rows, width)).contiguous(),
+                labels=split(torch.cat([b.labels for b in built])), loss_mask=local_mask,
+                weights=split(weights) if weights is not None else None, full_loss_mask=loss_mask,
+                segments=_bshd_segments(built, width, split) if segments else None)  # fmt: skip
+    fields = dict(packed=None, sample_ids=mb.sample_indices, real_lengths=tuple(b.seq_lengths[0] for b in built),
+                  local_valid_tokens=int(local_mask.sum().item()))  # fmt: skip
+    return host, fields
 
 
 def _bshd_segments(built, width: int, split) -> torch.Tensor:
@@ -176,7 +182,7 @@ def per_sample_logprobs(
     if prep.packed is not None:
         flat = logprobs.reshape(-1)
         if process_groups.cp_size > 1:
-            flat = gather_from_cp(flat, prep.packed, process_groups.cp)
+            flat = gather_from_cp(flat, prep.packed, process_groups.cp, inverse=prep.cp_inverse)
         spans = list(prep.packed.padded_lengths)
         rows, masks = torch.split(flat, spans), torch.split(prep.full_loss_mask, spans)
     else:
@@ -187,6 +193,13 @@ def per_sample_logprobs(
         (sample, row[: max(n - 1, 0)], mask[: max(n - 1, 0)])
         for sample, row, mask, n in zip(prep.sample_ids, rows, masks, prep.real_lengths, strict=True)
     ]
+
+
+def _target_sum(sample: SequenceSample) -> float:
+    """The sum of the sample's loss mask over its targets (tokens 1..n-1), on the host."""
+    if sample.loss_mask is None:
+        return float(len(sample.tokens) - 1)
+    return float(torch.as_tensor(sample.loss_mask, dtype=torch.float32).reshape(-1)[1:].sum())
 
 
 def target_count(sample: SequenceSample) -> int:

@@ -187,12 +187,14 @@ class StepPlanConfig:
         return self.mode == "packing" and (self.fixed_length if self.fixed_length is not None else self.layout.pp > 1)
 
     def cu_seqlens_entries(self, row_tokens: int) -> int | None:
-        """With `fixed_shape`, the cu_seqlens length of every row of ``row_tokens`` tokens: one more than
+        """With `fixed_shape`, the cu_seqlens length of every row of ``row_tokens`` tokens: two more than
         the most sequences such a row can hold (each takes at least one `PaddingRule.sequence_multiple`), so
-        it never depends on the data; None without `fixed_shape`."""
+        it never depends on the data and a full row still ends in one zero-length entry (TransformerEngine
+        before 2.18 reads a row's padding from all but the last entry: `megatron.te_contract`); None
+        without `fixed_shape`."""
         if not self.fixed_shape:
             return None
-        return row_tokens // self.padding_rule.sequence_multiple + 1
+        return row_tokens // self.padding_rule.sequence_multiple + 2
 
     def check_groups_fit(self, lengths, groups, *, forward_only: bool = False, key: str | None = None) -> None:
         """Raise ValueError when a group (samples that share a micro-batch: DPO pairs, GRPO responses to one
