@@ -8,7 +8,7 @@ reference's the same way. The pair shares a micro-batch (plan with ``groups=pair
 averages over the pairs of the global batch. With the policy equal to the reference the margin is 0 and
 the preference loss is exactly log 2. `DPOLoss.metrics` accumulates the reward margin (``beta *
 margin``), the accuracy (margin > 0) and both loss terms as sums over the pairs this rank scored (one
-rank of each CP group records: `recording`).
+rank of each CP group records: `recording`), on the device until read.
 """
 
 from __future__ import annotations
@@ -46,7 +46,13 @@ class DPOLoss:
         self.sft_loss_weight = sft_loss_weight
         self.preference_average = preference_average_log_probs
         self.sft_average = sft_average_log_probs
-        self.metrics = dict.fromkeys(METRIC_KEYS, 0.0)
+        self._sums: torch.Tensor | None = None  # METRIC_KEYS' sums, on the loss's device
+
+    @property
+    def metrics(self) -> dict:
+        """The per-step sums of `METRIC_KEYS` (read to the host once: call it after the step)."""
+        values = self._sums.tolist() if self._sums is not None else [0.0] * len(METRIC_KEYS)
+        return dict(zip(METRIC_KEYS, values, strict=True))
 
     def __call__(self, members) -> torch.Tensor:
         if len(members) != 2:
@@ -66,12 +72,12 @@ class DPOLoss:
         return loss
 
     def _record(self, preference, sft, reward_c, reward_r) -> None:
-        values = [float(v.detach()) for v in (preference, sft, reward_c - reward_r, reward_c, reward_r)]
-        preference_value, sft_value, margin, chosen_value, rejected_value = values
-        for key, value in (("pairs", 1.0), ("preference_loss", preference_value), ("sft_loss", sft_value),
-                           ("reward_margin", margin), ("accuracy", float(margin > 0)),
-                           ("chosen_reward", chosen_value), ("rejected_reward", rejected_value)):  # fmt: skip
-            self.metrics[key] += value
+        """Adds this pair's values on the device (no host copy: the step reads `metrics` once at its end)."""
+        margin = (reward_c - reward_r).detach()
+        values = [preference.new_ones(()), preference.detach(), sft.detach(), margin, (margin > 0).to(margin.dtype),
+                  reward_c.detach(), reward_r.detach()]  # METRIC_KEYS' order  # fmt: skip
+        values = torch.stack(values).double()
+        self._sums = values if self._sums is None else self._sums + values
 
 
 def response_logprob(logprobs: torch.Tensor, mask: torch.Tensor, *, average: bool) -> torch.Tensor:

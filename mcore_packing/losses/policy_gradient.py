@@ -22,7 +22,9 @@ import torch
 from .pg_config import ClippedPGConfig
 from .recording import recording
 
-__all__ = ["ClippedPGLoss"]
+__all__ = ["METRIC_KEYS", "ClippedPGLoss"]
+
+METRIC_KEYS = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl")
 
 KL = torch.Tensor | None  # the per-token KL estimate to the reference, when the KL penalty is on
 
@@ -38,7 +40,10 @@ class ClippedPGLoss:
     response tokens. `metrics` sums the clipped tokens, approximate KL (k3 of old vs new), ratio and the
     KL estimate to the reference (with a KL penalty) over the tokens this rank computed the loss of
     (the step driver records on one rank of each CP group, `recording`; the caller sums over ranks and
-    divides by ``tokens``).
+    divides by ``tokens``). The sums stay on the device during the step.
+
+    ``device``: the step's device. The side inputs are moved there once, here (a call then indexes
+    device rows: no host copy inside the loss); without it each call copies its sample's rows.
     """
 
     def __init__(
@@ -49,21 +54,30 @@ class ClippedPGLoss:
         old_logprobs: Sequence,
         reference_logprobs: Sequence | None = None,
         generation_logprobs: Sequence | None = None,
+        device: torch.device | str | None = None,
     ):
         if config.reference_policy_kl_penalty > 0 and reference_logprobs is None:
             raise ValueError("reference_policy_kl_penalty > 0 needs reference_logprobs (one row per sample).")
         if config.use_importance_sampling_correction and generation_logprobs is None:
             raise ValueError("use_importance_sampling_correction needs generation_logprobs (one row per sample).")
         self.config = config
-        self.advantages = advantages
-        self.old = old_logprobs
-        self.reference = reference_logprobs
-        self.generation = generation_logprobs
-        self.metrics = {"tokens": 0.0, "clipped": 0.0, "approx_kl": 0.0, "ratio": 0.0, "reference_kl": 0.0}
+        self.advantages = _on_device(advantages, device)
+        self.old = _on_device(old_logprobs, device)
+        self.reference = _on_device(reference_logprobs, device)
+        self.generation = _on_device(generation_logprobs, device)
+        self._sums: torch.Tensor | None = None  # METRIC_KEYS' sums, on the loss's device
 
-    def _row(self, rows: Sequence, sample_id: int, like: torch.Tensor) -> torch.Tensor:
-        row = torch.as_tensor(rows[sample_id], dtype=torch.float32, device=like.device).reshape(-1)
-        return row[: like.numel()]
+    @property
+    def metrics(self) -> dict:
+        """The per-step sums of `METRIC_KEYS` (read to the host once: call it after the step)."""
+        values = self._sums.tolist() if self._sums is not None else [0.0] * len(METRIC_KEYS)
+        return dict(zip(METRIC_KEYS, values, strict=True))
+
+    def _row(self, rows, sample_id: int, like: torch.Tensor) -> torch.Tensor:
+        row = rows[sample_id]
+        if not isinstance(row, torch.Tensor) or row.device != like.device:  # side inputs not staged (device=None)
+            row = torch.as_tensor(row, dtype=torch.float32, device=like.device)
+        return row.reshape(-1)[: like.numel()].float()
 
     def per_token(self, sample_id: int, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KL]:
         """The loss of every next-token position of one sample (before masking), the log of the ratio to
@@ -71,7 +85,9 @@ class ClippedPGLoss:
         cfg = self.config
         lp = logprobs.float()
         old = self._row(self.old, sample_id, lp)
-        advantage = torch.as_tensor(self.advantages[sample_id], dtype=torch.float32, device=lp.device)
+        advantage = self.advantages[sample_id]
+        if not isinstance(advantage, torch.Tensor) or advantage.device != lp.device:
+            advantage = torch.as_tensor(advantage, dtype=torch.float32, device=lp.device)
         advantage = advantage.reshape(-1)[: lp.numel()] if advantage.dim() else advantage
         log_ratio_old = lp - old
         ratio = torch.exp(log_ratio_old)
@@ -96,13 +112,32 @@ class ClippedPGLoss:
         return loss if self.config.token_level_loss else loss / weights.sum().clamp_min(1)
 
     def _record(self, log_ratio: torch.Tensor, kl: torch.Tensor | None, weights: torch.Tensor) -> None:
+        """Adds this sample's sums on the device (no host copy: the step reads `metrics` once at its end)."""
         if not recording():  # another rank of this micro-batch's CP group records it
             return
         ratio = torch.exp(log_ratio)
         outside = (ratio < 1 - self.config.ratio_clip_min) | (ratio > 1 + self.config.ratio_clip_max)
-        self.metrics["tokens"] += float(weights.sum())
-        self.metrics["clipped"] += float((outside.float() * weights).sum())
-        self.metrics["approx_kl"] += float(((torch.exp(-log_ratio) + log_ratio - 1) * weights).sum())
-        self.metrics["ratio"] += float((ratio * weights).sum())
-        if kl is not None:
-            self.metrics["reference_kl"] += float((kl * weights).sum())
+        sums = torch.stack([
+            weights.sum(),
+            (outside.float() * weights).sum(),
+            ((torch.exp(-log_ratio) + log_ratio - 1) * weights).sum(),
+            (ratio * weights).sum(),
+            (kl * weights).sum() if kl is not None else weights.new_zeros(()),
+        ]).double()  # fmt: skip
+        self._sums = sums if self._sums is None else self._sums + sums
+
+
+def _on_device(rows, device):
+    """Per-sample side inputs on ``device`` in one transfer: a tensor (or array) whose rows are the samples
+    moves whole; a list of rows (scalars or 1-D sequences of any lengths) is concatenated, moved once
+    and split back into views. ``device`` None or ``rows`` None: unchanged."""
+    if rows is None or device is None:
+        return rows
+    device = torch.device(device)
+    if isinstance(rows, torch.Tensor):
+        return rows.to(device=device, dtype=torch.float32, non_blocking=True)
+    host = [torch.as_tensor(r, dtype=torch.float32) for r in rows]
+    if all(r.dim() == 0 for r in host):
+        return torch.stack(host).to(device, non_blocking=True) if host else torch.zeros(0, device=device)
+    flat = torch.cat([r.reshape(-1) for r in host]).to(device, non_blocking=True)
+    return list(torch.split(flat, [r.numel() for r in host]))

@@ -8,7 +8,7 @@ to row, so counting on every rank would weigh long sequences (more ranks) more. 
 (every sample ``tp`` times: the means, ratios of two sums, are unchanged).
 
     with muted(process_groups.cp_rank != 0):
-        loss = fn(sample_id, logprobs, mask)   # fn's metrics: `if recording(): self.metrics[...] += ...`
+        loss = fn(sample_id, logprobs, mask)   # fn's metrics: `if recording(): self._sums += ...`
 """
 
 from __future__ import annotations

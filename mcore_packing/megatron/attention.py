@@ -9,8 +9,9 @@ Backends, picked per call:
 - CUDA with ``torch.nn.attention.varlen.varlen_attn`` (``backend="varlen"``, the default on GPU): one
   FlashAttention varlen call over the padded spans.
 - Context parallel (CP > 1): the rank holds chunks r and 2*CP-1-r of every sequence. K and V are
-  all-gathered over the CP group (differentiable), put back in sequence order, and each local query
-  attends causally to the keys at or before its global position.
+  all-gathered over the CP group (differentiable), put back in sequence order (an index that came with
+  the micro-batch), and each local chunk attends to the keys up to its end, causal aligned bottom-right:
+  two attention calls per sequence, no mask built, no host sync.
 
 With TransformerEngine installed, `get_packed_gpt_layer_spec` uses TE's attention instead of this module.
 Only causal self-attention (GPT) is supported; dropout uses torch's RNG (no TP RNG tracker fork).
@@ -22,10 +23,11 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from ..compat import require_megatron, varlen_attention, varlen_attn_available
-from ..thd.context_parallel import all_gather_cat, bshd_inverse_order, bshd_partition_indices, thd_inverse_order
-from .packed_seq import ThdLayout, thd_layout
+from ..thd.context_parallel import all_gather_cat, bshd_inverse_order
+from .packed_seq import ThdLayout, cp_inverse_index, thd_layout
 
 require_megatron()
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
@@ -77,19 +79,23 @@ class PackedCoreAttention(MegatronModule):
     def _dropout(self) -> float:
         return self.dropout_p if self.training else 0.0
 
-    def _sdpa(self, q, k, v, *, causal: bool, mask=None):
-        """q [Lq, Hq, D], k/v [Lk, Hkv, D] -> [Lq, Hq, D]."""
+    def _sdpa(self, q, k, v):
+        """Causal attention of q [Lq, Hq, D] to k/v [Lk, Hkv, D] -> [Lq, Hq, D], the queries being the last
+        ``Lq`` positions of the ``Lk`` keys (a lower-right causal mask: TransformerEngine's and
+        FlashAttention's bottom-right alignment). No mask is built here: equal lengths take SDPA's
+        ``is_causal``, others torch's ``causal_lower_right`` bias, which CUDA kernels apply in place."""
         if k.shape[1] != q.shape[1]:
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
+        square = q.shape[0] == k.shape[0]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
             k.transpose(0, 1),
             v.transpose(0, 1),
-            attn_mask=mask,
+            attn_mask=None if square else causal_lower_right(q.shape[0], k.shape[0]),
             dropout_p=self._dropout(),
-            is_causal=causal and mask is None,
+            is_causal=square,
             scale=self._scale(q.shape[-1]),
         )
         return out.transpose(0, 1)
@@ -151,39 +157,40 @@ class PackedCoreAttention(MegatronModule):
                 if n == 0:  # a zero-length sequence of a fixed-shape row: no token
                     continue
                 s = slice(start, start + n)
-                out[s] = self._sdpa(q[s], k[s], v[s], causal=True)
+                out[s] = self._sdpa(q[s], k[s], v[s])
             return out
-        return self._thd_context_parallel(q, k, v, layout, group)
+        return self._thd_context_parallel(q, k, v, params, layout, group)
 
     def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
-        cu = cu.to(device=q.device, dtype=torch.int32)
+        if cu.device != q.device or cu.dtype != torch.int32:  # params built elsewhere
+            cu = cu.to(device=q.device, dtype=torch.int32)
         return varlen_attention(q, k, v, cu, max(layout.padded_lengths), scale=self._scale(q.shape[-1]))
 
     def _gather_kv(self, k, v, index: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather local K/V over CP (``group``, default this module's) and reorder to packed order with
-        ``index`` (the inverse split)."""
+        ``index`` (the inverse split, on the device)."""
         kv = torch.cat([k, v], dim=-1)
         full = all_gather_cat(kv, group if group is not None else self.cp_group)[index]
         return full[..., : k.shape[-1]], full[..., k.shape[-1] :]
 
-    def _thd_context_parallel(self, q, k, v, layout: ThdLayout, group) -> torch.Tensor:
+    def _thd_context_parallel(self, q, k, v, params, layout: ThdLayout, group) -> torch.Tensor:
+        """Each local chunk of each span attends to the span's keys up to the chunk's end (bottom-right
+        causal): chunk ``p`` of ``c`` tokens sees keys ``[0, (p + 1) c)``. Spans, chunks and offsets are
+        host ints from the layout; the gather index came with the micro-batch (`cp_inverse_index`)."""
         cp, rank = group.size(), group.rank()
-        # Zero-length sequences (fixed-shape rows) hold no token: the split and the loop skip them.
-        spans = [(start, span) for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True) if span]
-        cu = [0, *[a + b for a, b in spans]]
-        k_full, v_full = self._gather_kv(k, v, thd_inverse_order(cu, layout.total, cp).to(q.device), group)
+        k_full, v_full = self._gather_kv(k, v, cp_inverse_index(params, cp, q.device), group)
         out = torch.empty_like(q)
         local = 0
-        for start, span in spans:
+        for start, span in zip(layout.padded_starts, layout.padded_lengths, strict=True):
             chunk = span // (2 * cp)
-            positions = bshd_partition_indices(span, cp, rank).to(q.device)  # global positions of local queries
-            visible = int(positions[-1]) + 1  # keys after the last local query are never attended
-            mask = torch.arange(visible, device=q.device)[None, :] <= positions[:, None]
-            s = slice(local, local + 2 * chunk)
-            keys = slice(start, start + visible)
-            out[s] = self._sdpa(q[s], k_full[keys], v_full[keys], causal=False, mask=mask)
-            local += 2 * chunk
+            if chunk == 0:  # a zero-length sequence (fixed-shape rows, TE's padding flag) holds no token
+                continue
+            for part in (rank, 2 * cp - 1 - rank):
+                keys = slice(start, start + (part + 1) * chunk)
+                s = slice(local, local + chunk)
+                out[s] = self._sdpa(q[s], k_full[keys], v_full[keys])
+                local += chunk
         return out
 
     def _bshd(self, q, k, v, group) -> torch.Tensor:
@@ -191,14 +198,12 @@ class PackedCoreAttention(MegatronModule):
         s, b = q.shape[0], q.shape[1]
         cp = group.size() if group is not None else 1
         if cp == 1:
-            out = torch.stack([self._sdpa(q[:, i], k[:, i], v[:, i], causal=True) for i in range(b)], dim=1)
+            out = torch.stack([self._sdpa(q[:, i], k[:, i], v[:, i]) for i in range(b)], dim=1)
             return out.reshape(s, b, -1)
-        rank = group.rank()
-        seq_len = s * cp
-        k_full, v_full = self._gather_kv(k, v, bshd_inverse_order(seq_len, cp).to(q.device), group)
-        positions = bshd_partition_indices(seq_len, cp, rank).to(q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
-        out = torch.stack(
-            [self._sdpa(q[:, i], k_full[:, i], v_full[:, i], causal=False, mask=mask) for i in range(b)], dim=1
-        )
-        return out.reshape(s, b, -1)
+        rank, chunk = group.rank(), s // 2
+        k_full, v_full = self._gather_kv(k, v, bshd_inverse_order(s * cp, cp, device=q.device), group)
+        parts = []
+        for i, part in enumerate((rank, 2 * cp - 1 - rank)):  # this rank's two chunks, bottom-right causal
+            rows, keys = slice(i * chunk, (i + 1) * chunk), slice(0, (part + 1) * chunk)
+            parts.append(torch.stack([self._sdpa(q[rows, j], k_full[keys, j], v_full[keys, j]) for j in range(b)], 1))
+        return torch.cat(parts).reshape(s, b, -1)

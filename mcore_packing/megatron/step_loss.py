@@ -170,8 +170,9 @@ def _share_of_sum(prep, output, fn: Callable, process_groups, divisor: int, unit
     """``fn(sample_id, logprobs, mask)`` summed over the samples with at least one target, divided by
     ``divisor`` and by CP."""
     total = output.new_zeros((), dtype=torch.float32)
+    rows = per_sample_logprobs(prep, output, process_groups)
     with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group (`losses.recording`)
-        for sample_id, logprobs, mask in per_sample_logprobs(prep, output, process_groups):
-            if mask.numel() and mask.sum() > 0:
+        for (sample_id, logprobs, mask), targets in zip(rows, prep.target_counts, strict=True):
+            if targets:  # counted on the host when the micro-batch was built: no device sync
                 total = total + _check_scalar(fn(sample_id, logprobs, mask), unit)
     return total / (divisor * process_groups.cp_size)

@@ -50,6 +50,7 @@ def dpo_step(policy: Policy, reference: Policy, samples: Sequence[SequenceSample
     start = time.perf_counter()
     logprob_plan = plan_step(lengths, plan_config, forward_only=True)
     ref = compute_logprobs(reference.model, samples, logprob_plan, policy.process_groups, device=policy.device)
+    ref = ref.cpu()  # one copy: the loss takes the reference's log-probs as host numbers
     reference_logps = {i: float(_response_logprob(ref[i], s, dpo.preference_average_log_probs))
                        for i, s in enumerate(samples)}  # fmt: skip
     reference_seconds = time.perf_counter() - start
@@ -63,7 +64,7 @@ def dpo_step(policy: Policy, reference: Policy, samples: Sequence[SequenceSample
     )
     plan = plan_step(lengths, plan_config, groups=pairs)
     outcome = train_step(policy, samples, plan, loss=PerGroup(loss))
-    sums = dict(zip(METRIC_KEYS, sum_over_ranks([loss.metrics[k] for k in METRIC_KEYS], policy.device), strict=True))
+    sums = dict(zip(METRIC_KEYS, sum_over_ranks([loss.metrics[k] for k in METRIC_KEYS]), strict=True))
     count = max(sums.pop("pairs"), 1.0)
     metrics = {k: v / count for k, v in sums.items()}
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated)

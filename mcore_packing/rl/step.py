@@ -47,19 +47,24 @@ class RLStepResult:
     minibatch_losses: list[float]
 
 
-def _per_position(rollouts: Sequence[Rollout], fallback) -> list:
-    """Generation log-probs laid out like `compute_logprobs` rows (position j predicts token j + 1); the
-    trainer's own old log-probs where the engine gave none (importance weight 1)."""
+def _per_position(rollouts: Sequence[Rollout], fallback):
+    """Generation log-probs laid out like `compute_logprobs` rows (position j predicts token j + 1), on
+    ``fallback``'s device: the trainer's own old log-probs where the engine gave none (importance weight
+    1)."""
     import torch
 
-    rows = []
+    out = fallback.clone()
+    rows, columns, values = [], [], []
     for i, r in enumerate(rollouts):
-        row = fallback[i].clone()
         if r.generation_logprobs is not None:
             start = len(r.prompt_tokens) - 1
-            row[start : start + len(r.response_tokens)] = torch.as_tensor(r.generation_logprobs, dtype=row.dtype)
-        rows.append(row)
-    return rows
+            rows += [i] * len(r.response_tokens)
+            columns += range(start, start + len(r.response_tokens))
+            values += [float(v) for v in r.generation_logprobs]
+    if rows:  # before the step, outside its hot path
+        index = torch.tensor([rows, columns], dtype=torch.int64).to(out.device)
+        out[index[0], index[1]] = torch.tensor(values, dtype=out.dtype).to(out.device)
+    return out
 
 
 def rl_step(
@@ -103,6 +108,7 @@ def rl_step(
         old_logprobs=old,
         reference_logprobs=reference_logprobs,
         generation_logprobs=_per_position(rollouts, old),
+        device=device,  # every side input on the device before the step: the loss copies nothing
     )
     plans, outcomes = [], []
     for part in minibatches(group_ids, grpo.num_minibatches):  # the loss is per sample: groups may split here
@@ -110,7 +116,7 @@ def rl_step(
         step_loss = PerSample(_in_minibatch(pg_loss, part), normalization=loss.normalization)
         outcomes.append(train_step(policy, [samples[i] for i in part], plans[-1], loss=step_loss))
     outcome = _combined(outcomes)
-    metrics = _reduce_metrics(pg_loss.metrics, device)
+    metrics = _reduce_metrics(pg_loss.metrics)
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
     plan = plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)  # StepPlan or DynamicCPPlan
@@ -144,20 +150,22 @@ def _combined(outcomes: list[StepOutcome]) -> StepOutcome:
 def _entropy(old_logprobs, samples) -> float:
     """The policy's entropy per response token, estimated as the mean of -log p(sampled token) under the
     pre-step policy: free (the log-prob pass computed it) and unbiased for on-policy samples; the exact
-    entropy needs the whole vocabulary's logits, which the packed path never materializes."""
+    entropy needs the whole vocabulary's logits, which the packed path never materializes. (One copy of
+    the log-probs to the host.)"""
+    host = old_logprobs.cpu()
     total, count = 0.0, 0.0
     for i, sample in enumerate(samples):
         n = len(sample.tokens)
-        mask = old_logprobs.new_tensor(sample.loss_mask[1:n])
-        total -= float((old_logprobs[i, : n - 1] * mask).sum())
+        mask = host.new_tensor(sample.loss_mask[1:n])
+        total -= float((host[i, : n - 1] * mask).sum())
         count += float(mask.sum())
     return total / max(count, 1.0)
 
 
-def _reduce_metrics(sums: dict, device) -> dict:
+def _reduce_metrics(sums: dict) -> dict:
     """Token-weighted means over every rank (TP, CP and the stages without a loss scale all counts alike)."""
     keys = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl")
-    tokens, clipped, kl, ratio, reference_kl = sum_over_ranks([sums[k] for k in keys], device)
+    tokens, clipped, kl, ratio, reference_kl = sum_over_ranks([sums[k] for k in keys])
     tokens = max(tokens, 1.0)
     return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens, "mean_ratio": ratio / tokens,
             "reference_kl": reference_kl / tokens}  # fmt: skip
