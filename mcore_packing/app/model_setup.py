@@ -67,7 +67,7 @@ def device_context(device):
 
     from ..megatron import cpu_device_adapter
 
-    return cpu_device_adapter() if device.type == "cpu" else contextlib.nullcontext()
+    return cpu_device_adapter(device=device) if device.type == "cpu" else contextlib.nullcontext()
 
 
 def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
@@ -86,10 +86,10 @@ def setup_training(cfg: TrainConfig, shape: ModelShape) -> TrainingSetup:
     return TrainingSetup(policy=policy, rank=dist.get_rank(), world_size=dist.get_world_size(), shape=shape)
 
 
-def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None):
+def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None, process_groups=None):
     """`megatron.build_policy` with this config's model, parallel and optimizer keys: the policy (with
     ``optimizer``) or its frozen reference (the same starting weights: ``model.hf_path``, else the same
-    seeded initialization)."""
+    seeded initialization; ``process_groups``: the policy's, so the reference makes no communicators)."""
     import torch
 
     from ..megatron import build_policy
@@ -108,6 +108,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None):
         use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32 and dtype != torch.float32,
         dynamic_cp=cfg.context_parallel.dynamic,
+        process_groups=process_groups,
     )
 
 

@@ -4,6 +4,9 @@ device adapter, and the schedule driver that runs a step plan through Megatron's
 Importing this package imports megatron-core; the packing and planning layers do not.
 
 - `packed_seq`: `to_packed_seq_params` (+ the host-side `ThdLayout` attention reads).
+- `te_contract`: what TransformerEngine reads of a THD micro-batch, decided per TE and megatron-core
+  version (`te_thd_fields`) and checked (`check_te_contract`).
+- `seeded_init`: initial weights that are a function of the seed and the shape only (any layout, device).
 - `attention`: `PackedCoreAttention`, THD/BSHD causal attention for the local layer spec.
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
 - `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`,
@@ -39,7 +42,9 @@ from .policy import Policy, build_policy
 from .prepare import PreparedMicroBatch, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, verify_plan_across_ranks
 from .schedule import StepResult, compute_logprobs, forward_backward
+from .seeded_init import seeded_init_
 from .step_loss import PerGroup, PerSample, PerSequence, SequenceMeanNLL, StepLoss, TokenMeanNLL, nll_loss
+from .te_contract import check_te_contract, te_thd_fields
 from .train_step import StepOutcome, train_step
 
 __all__ = [
@@ -62,6 +67,7 @@ __all__ = [
     "build_gpt_chunks",
     "build_gpt_model",
     "build_policy",
+    "check_te_contract",
     "compute_logprobs",
     "cpu_device_adapter",
     "forward_backward",
@@ -72,6 +78,8 @@ __all__ = [
     "per_sample_logprobs",
     "prepare_micro_batch",
     "resolve_attention_backend",
+    "seeded_init_",
+    "te_thd_fields",
     "thd_layout",
     "to_packed_seq_params",
     "train_step",

@@ -17,6 +17,7 @@ from ..planning.layout import SINGLE_RANK, ParallelLayout
 from ..planning.model_shape import ModelShape
 
 __all__ = [
+    "INIT_MODES",
     "build_gpt_chunks",
     "build_gpt_model",
     "initialize_parallel",
@@ -24,6 +25,10 @@ __all__ = [
     "padded_vocab_size",
     "transformer_config",
 ]
+
+
+INIT_MODES = ("seeded", "megatron", "none")
+"""How `build_gpt_chunks` sets the initial weights (see its docstring)."""
 
 
 def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 1234) -> None:
@@ -50,10 +55,23 @@ def transformer_config(
     *,
     variable_seq_lengths: bool = False,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+    cpu_initialization: bool | None = None,
 ):
-    """Megatron's ``TransformerConfig`` for ``shape`` on a layout (dropout off, as SFT/RL recipes use)."""
+    """Megatron's ``TransformerConfig`` for ``shape`` on a layout (dropout off, as SFT/RL recipes use).
+
+    ``device``: the run's device (default: CUDA when present). Megatron makes the parameters on the CPU
+    (``use_cpu_initialization``) for a CPU run, on the GPU for a GPU run, unless ``cpu_initialization``
+    says otherwise. (Megatron's own draws stay on: they also set the parameters' TP attributes, which
+    its optimizer and `seeded_init` read.) ``apply_rope_fusion`` is on where TransformerEngine's fused RoPE
+    can run (TE importable and a CUDA run): Megatron's unfused THD RoPE reads cu_seqlens to the host in
+    every layer (`tests/test_sync_budget.py`)."""
     require_megatron()
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ..compat import te_available
+
+    on_gpu = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
 
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
     if shape.gated_mlp:
@@ -81,7 +99,8 @@ def transformer_config(
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         sequence_parallel=layout.sequence_parallel,
-        use_cpu_initialization=not torch.cuda.is_available(),
+        use_cpu_initialization=not on_gpu if cpu_initialization is None else cpu_initialization,
+        apply_rope_fusion=on_gpu and te_available(),
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -193,6 +212,8 @@ def build_gpt_chunks(
     use_distributed_optimizer: bool = False,
     grad_reduce_in_fp32: bool = False,
     process_groups=None,
+    init: str = "seeded",
+    cpu_initialization: bool | None = None,
 ):
     """This pipeline stage's model chunks (``layout.vpp`` of them, Megatron's virtual pipeline; one
     without it), each a GPTModel wrapped in Megatron DDP, and their TransformerConfig. GPTModel and DDP
@@ -203,7 +224,16 @@ def build_gpt_chunks(
     ``use_distributed_optimizer`` lays the gradient buffer out for Megatron's distributed optimizer
     (optimizer state sharded over DP); ``grad_reduce_in_fp32`` keeps the gradient buffer (and its
     all-reduce) in fp32 when the parameters are bf16.
+
+    ``init``: "seeded" (default) draws every weight from ``seed`` and the parameter's global name
+    (`seeded_init`: the same weights on every layout and device, for the policy and its reference);
+    "megatron" keeps Megatron's own draws (which depend on TP, the stage and the device's RNG); "none"
+    keeps them too, for a caller that then loads every parameter (a checkpoint): no seeded draw.
+    ``cpu_initialization`` overrides where Megatron makes the parameters (default: on the run's device;
+    tests drive the GPU branch on a CPU with False).
     """
+    if init not in INIT_MODES:
+        raise ValueError(f"init={init!r} is not one of {INIT_MODES}.")
     require_megatron()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -214,7 +244,8 @@ def build_gpt_chunks(
         from ._patches.moe_without_te import define_missing_te_gemm
 
         define_missing_te_gemm()
-    config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype)
+    config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype, device=device,
+                                cpu_initialization=cpu_initialization)  # fmt: skip
     torch.manual_seed(seed)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,
@@ -223,6 +254,8 @@ def build_gpt_chunks(
     chunks = []
     for vp_stage in range(layout.vpp):
         model = _gpt_chunk(shape, layout, config, pgs, attention_backend, vp_stage)
+        if init == "seeded":
+            _seeded(model, shape, layout, pgs, seed)
         if device is not None:
             model = model.to(device)
         chunks.append(DistributedDataParallel(config, ddp_config, model, pg_collection=pgs.collection,
@@ -230,6 +263,16 @@ def build_gpt_chunks(
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [chunk.no_sync for chunk in chunks]
     return chunks, config
+
+
+def _seeded(model, shape: ModelShape, layout: ParallelLayout, pgs, seed: int) -> None:
+    """`seeded_init.seeded_init_` with this rank's TP and EP place."""
+    from .process_groups import group_rank
+    from .seeded_init import seeded_init_
+
+    offset = group_rank(pgs.ep) * (shape.num_experts // layout.ep) if shape.is_moe else 0
+    seeded_init_(model, seed=seed, num_layers=shape.num_layers, vocab_size=shape.vocab_size,
+                 tp_rank=group_rank(pgs.tp), tp_size=layout.tp, expert_offset=offset)  # fmt: skip
 
 
 def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention_backend: str, vp_stage: int):

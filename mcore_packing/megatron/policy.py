@@ -3,7 +3,8 @@ trainable policy and of its frozen reference.
 
     initialize_parallel(layout, seed=seed)                        # Megatron's parallel state, once
     policy = build_policy(shape, layout, seed=seed, hf_path=path, optimizer=make_optimizer)
-    reference = build_policy(shape, layout, seed=seed, hf_path=path)      # same weights, no optimizer
+    reference = build_policy(shape, layout, seed=seed, hf_path=path,      # same weights, no optimizer,
+                             process_groups=policy.process_groups)          # the policy's groups
     train_step(policy, samples, plan, loss=TokenMeanNLL())
 
 ``make_optimizer(model) -> (optimizer, scheduler)`` is the caller's (the trainer builds Megatron's
@@ -59,19 +60,28 @@ def build_policy(
     use_distributed_optimizer: bool = False,
     grad_reduce_in_fp32: bool = False,
     dynamic_cp: bool = False,
+    process_groups: ProcessGroups | None = None,
 ) -> Policy:
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
-    weights of ``hf_path`` (this rank's slices), else the seeded initialization; with ``optimizer`` its
+    weights of ``hf_path`` (this rank's slices), else the seeded initialization (`seeded_init`: a
+    function of ``seed`` and the shape only, so a reference built with the same seed starts from the
+    policy's weights on any layout and device); with ``optimizer`` its
     optimizer and schedule, else frozen in eval mode. ``dynamic_cp``: the process groups also carry the
     CP sub-groups dynamic context parallelism runs its rows on (`ProcessGroups.with_dynamic_cp`; a
-    collective, every rank builds the policy)."""
+    collective, every rank builds the policy). ``process_groups``: the groups of a policy built before on
+    the same layout (a reference passes its policy's): reused, dynamic-CP sub-groups included, so a run
+    makes one set of communicators."""
     from .hf_weights import load_hf_weights
     from .model import build_gpt_chunks
     from .process_groups import group_rank
 
-    process_groups = ProcessGroups.from_megatron()
-    if dynamic_cp:
-        process_groups = process_groups.with_dynamic_cp(layout.cp)
+    if process_groups is None:
+        process_groups = ProcessGroups.from_megatron()
+        if dynamic_cp:
+            process_groups = process_groups.with_dynamic_cp(layout.cp)
+    elif dynamic_cp and process_groups.dynamic_cp is None:
+        raise ValueError("dynamic_cp=True but the given process_groups have no dynamic-CP sub-groups; pass the "
+                         "policy's (build_policy(..., dynamic_cp=True)) or none.")  # fmt: skip
     chunks, _ = build_gpt_chunks(
         shape,
         layout,
@@ -83,6 +93,7 @@ def build_policy(
         use_distributed_optimizer=use_distributed_optimizer and optimizer is not None,
         grad_reduce_in_fp32=grad_reduce_in_fp32 and optimizer is not None,
         process_groups=process_groups,
+        init="none" if hf_path is not None else "seeded",  # a checkpoint sets every parameter
     )
     model = chunks[0] if len(chunks) == 1 else chunks
     info = {}

@@ -91,7 +91,7 @@ def make_step(cfg, inputs, setup):
     from ...rl import dpo_step
     from ..model_setup import build_model
 
-    reference = build_model(cfg, inputs.shape, inputs.layout)
+    reference = build_model(cfg, inputs.shape, inputs.layout, process_groups=setup.policy.process_groups)
 
     def take_step(batch_ids: list[int]):
         samples = [inputs.data.samples[i] for i in batch_ids]

@@ -158,7 +158,7 @@ def make_step(cfg, inputs, setup):
 
     reference = None
     if cfg.loss_fn.reference_policy_kl_penalty > 0:
-        reference = build_model(cfg, inputs.shape, inputs.layout)
+        reference = build_model(cfg, inputs.shape, inputs.layout, process_groups=setup.policy.process_groups)
 
     def take_step(batch_ids: list[int]):
         rollouts = [inputs.data.records[i] for i in batch_ids]
