@@ -198,7 +198,7 @@ def run_model(args, config: dict) -> int:
     )
     batches = global_batches(args)
     rows = []
-    with cpu_device_adapter() if args.device == "cpu" else contextlib.nullcontext():
+    with cpu_device_adapter(device=args.device) if args.device == "cpu" else contextlib.nullcontext():
         for backend in args.attention_backends:
             if backend == "te" and not te_available():
                 print("attention backend te: skipped, TransformerEngine is not installed", flush=True)

@@ -4,7 +4,8 @@
     python benchmarks/gpu_summary.py RESULTS_DIR       # summary.json + a Markdown table for the README
 
 The summary reads what the check left in RESULTS_DIR: each step's status, the JUnit XML of the test
-steps (passed / failed / skipped, with the failures' first lines) and ``gpu_step.json``.
+steps (passed / failed / skipped, with the failures' first lines), ``sync_debug.json`` (the syncs CUDA's
+sync debug mode saw in the step's forward and loss, by owner) and ``gpu_step.json``.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ def summarize(results: Path) -> dict:
     summary = {"versions": json.loads((results / "versions.json").read_text())}
     summary["steps"] = {p.stem: p.read_text().strip() for p in sorted(results.glob("*.status"))}
     summary["tests"] = {name: junit(results / f"{name}.xml") for name in ("gpu_tests", "newest_megatron")}
-    step = results / "gpu_step.json"
+    step, sync = results / "gpu_step.json", results / "sync_debug.json"
     summary["gpu_step"] = json.loads(step.read_text())["results"] if step.exists() else None
+    summary["sync_debug"] = json.loads(sync.read_text()) if sync.exists() else None
     (results / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -74,6 +76,10 @@ def markdown(summary: dict) -> str:
         if counts:
             lines.append(f"- {name}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
             lines += [f"  - {f}" for f in counts["failures"]]
+    if summary.get("sync_debug"):
+        counts = summary["sync_debug"]["counts"]
+        lines.append(f"- syncs under CUDA's sync debug mode in the step's forward and loss: mcore_packing "
+                     f"{counts['mcore_packing']}, Megatron {counts['megatron']}, other {counts['other']}")  # fmt: skip
     for row in summary["gpu_step"] or []:
         lines += ["", f"| {row['attention_backend']} | tokens/s | MFU | peak memory GiB | largest micro-batch |"]
         lines.append("|---|---|---|---|---|")

@@ -114,7 +114,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
         else f"{platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, no GPU",
     )
     rows = []
-    adapter = cpu_device_adapter() if args.device == "cpu" else contextlib.nullcontext()
+    adapter = cpu_device_adapter(device=args.device) if args.device == "cpu" else contextlib.nullcontext()
     with adapter:
         for backend in args.attention_backends:
             if backend == "te" and not te_available():

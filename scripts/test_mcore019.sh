@@ -25,4 +25,6 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   "tests/test_interleaved.py::test_batched_p2p_at_pp2_breaks_the_interleaved_step" \
   "tests/test_interleaved.py::test_the_trainer_at_pp2_vpp2_continues_pp1_runs_through_checkpoints" \
   "tests/test_dynamic_cp.py::test_dynamic_cp_steps_match_the_unpacked_reference" \
+  tests/test_te_contract.py tests/test_collectives.py tests/test_sync_budget.py tests/test_gpu_check.py \
+  tests/test_seeded_init.py tests/test_layouts.py \
   "$@"

@@ -1,4 +1,5 @@
-"""Run a test function on N real torch.distributed (gloo) processes and collect what each rank returns.
+"""Run a test function on N real torch.distributed (gloo, or NCCL on GPUs) processes and collect what each
+rank returns.
 
 The worker is named as ``"module:function"`` so the spawned interpreters can import it. Each rank
 initializes a gloo process group on a free local port, calls the function with ``(rank, world_size,
@@ -25,7 +26,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, target: str, kwargs: dict, port: int, out_dir: str) -> None:
+def _entry(rank: int, world_size: int, target: str, kwargs: dict, port: int, out_dir: str,
+           backend: str = "gloo") -> None:  # fmt: skip
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -40,7 +42,9 @@ def _entry(rank: int, world_size: int, target: str, kwargs: dict, port: int, out
     torch.set_num_threads(1)
     result: dict
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         module_name, function_name = target.split(":")
         fn = getattr(importlib.import_module(module_name), function_name)
         result = {"ok": fn(rank, world_size, **kwargs)}
@@ -62,12 +66,13 @@ def _all_reported(out_dir: str, world_size: int) -> bool:
     return all(os.path.exists(os.path.join(out_dir, f"rank{rank}.pkl")) for rank in range(world_size))
 
 
-def run_distributed(target: str, world_size: int, timeout: float = 600.0, **kwargs) -> list:
-    """Run ``target`` on ``world_size`` gloo ranks; return the per-rank results in rank order."""
+def run_distributed(target: str, world_size: int, timeout: float = 600.0, backend: str = "gloo", **kwargs) -> list:
+    """Run ``target`` on ``world_size`` ranks (gloo; ``backend="nccl"`` on GPUs, one per rank); return the
+    per-rank results in rank order."""
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, target, kwargs, free_port(), out_dir),
+            args=(world_size, target, kwargs, free_port(), out_dir, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",

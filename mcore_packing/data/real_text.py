@@ -12,6 +12,7 @@ Llama-3 and the OpenAI encodings, so nothing is downloaded.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import sysconfig
@@ -49,15 +50,23 @@ def get_tokenizer(encoding: str = DEFAULT_ENCODING):
     return quicktok.get_encoding(encoding)
 
 
+def champ_data_file() -> Path:
+    """The CHAMP JSON file inside the installed ``champ-dataset`` package, found without importing it (its
+    ``__init__`` imports natsort, which a bare GPU image lacks; the data is one file beside it)."""
+    spec = importlib.util.find_spec("champ_dataset")
+    if spec is None or not spec.submodule_search_locations:
+        raise _missing("champ-dataset")
+    path = Path(next(iter(spec.submodule_search_locations))) / "dataset_files" / "v0.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"champ-dataset is installed but {path} is missing; reinstall champ-dataset.")
+    return path
+
+
 @functools.lru_cache(maxsize=1)
 def champ_conversations() -> tuple[tuple[tuple[str, str], ...], ...]:
     """Every CHAMP conversation as ``((role, text), ...)`` (empty messages left out), in a stable order:
     problems by id, conversations by name. The one reader of the CHAMP JSON file."""
-    try:
-        from champ_dataset import BASE_FOLDER
-    except ImportError as exc:  # pragma: no cover
-        raise _missing("champ-dataset") from exc
-    with open(Path(str(BASE_FOLDER)) / "dataset_files" / "v0.json", encoding="utf-8") as f:
+    with open(champ_data_file(), encoding="utf-8") as f:
         data = json.load(f)
     out = []
     for problem_id in sorted(data["problems"]):
