@@ -1,6 +1,7 @@
 """The one place that knows about optional dependencies and version differences.
 
 - TransformerEngine: optional (``pip install 'mcore-packing[te]'``). Used when importable; never needed.
+  `te_version` reads its version from the metadata (which rule it follows for packed rows: `te_contract`).
 - megatron-core: 0.16 to 0.19. ``PackedSeqParams`` grew fields over releases (``total_tokens``,
   ``pad_between_seqs``); we detect fields instead of comparing versions.
 - torch: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, CUDA only, fp16/bf16) when
@@ -25,6 +26,7 @@ __all__ = [
     "require_pyarrow",
     "te_available",
     "te_thd_partitioned_indices",
+    "te_version",
     "varlen_attention",
     "varlen_attn_available",
 ]
@@ -117,6 +119,18 @@ def require_pyarrow():
             "reading Parquet files and Hugging Face datasets folders needs pyarrow: pip install "
             "'mcore-packing[arrow]' (or pyarrow>=14). JSONL input needs nothing more."
         ) from exc
+
+
+@functools.lru_cache(maxsize=1)
+def te_version() -> str | None:
+    """The installed TransformerEngine's version (its distribution's metadata; TE need not import), or
+    None. Cached: the packed-THD builder reads it for every micro-batch (`megatron.te_contract`)."""
+    for name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 @functools.lru_cache(maxsize=1)

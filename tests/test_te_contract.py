@@ -110,7 +110,7 @@ def test_the_installed_builder_keeps_the_contract(monkeypatch):
 
     fields = packed_seq_params_fields()
     for te_version in TE_VERSIONS:
-        monkeypatch.setattr(packed_seq, "installed_te_version", lambda v=te_version: v)
+        monkeypatch.setattr(packed_seq, "te_version", lambda v=te_version: v)
         for real, cp in ROWS.values():
             batch = build_packed_batch([SequenceSample(list(range(n))) for n in real], PaddingRule(cp_size=cp))
             params = to_packed_seq_params(slice_for_cp(batch, cp, 0))

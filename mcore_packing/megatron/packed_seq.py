@@ -46,11 +46,11 @@ from itertools import pairwise
 
 import torch
 
-from ..compat import packed_seq_params_fields, require_megatron
+from ..compat import packed_seq_params_fields, require_megatron, te_version
 from ..thd.context_parallel import thd_inverse_order
 from ..thd.packed_batch import PackedBatch
 from ..thd.transfer import to_device_once
-from .te_contract import TeThdFields, installed_te_version, te_thd_fields
+from .te_contract import TeThdFields, te_thd_fields
 
 __all__ = [
     "ThdLayout",
@@ -103,7 +103,7 @@ def thd_fields(batch: PackedBatch, *, cu_entries: int | None = None) -> TeThdFie
     """The THD fields TransformerEngine reads for ``batch``, decided for the installed megatron-core and TE
     (`te_contract.te_thd_fields`: the zero-length entry where TE would miss a padded last sequence)."""
     return te_thd_fields(batch.seq_lengths, batch.padded_lengths, cp_size=batch.cp_size,
-                         fields=packed_seq_params_fields(), te_version=installed_te_version(),
+                         fields=packed_seq_params_fields(), te_version=te_version(),
                          cu_entries=cu_entries)  # fmt: skip
 
 

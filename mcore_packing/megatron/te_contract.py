@@ -37,7 +37,6 @@ TE 2.18+ infers False too and keeps FlashAttention eligible.
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -50,7 +49,6 @@ __all__ = [
     "PadRule",
     "TeThdFields",
     "check_te_contract",
-    "installed_te_version",
     "pad_flag_reaches_te",
     "te_inferred_pad_between_seqs",
     "te_pad_rule",
@@ -97,16 +95,6 @@ def _version_tuple(version: str) -> tuple[int, int]:
         parts.append(int(digits or 0))
     major, minor = [*parts, 0, 0][:2]
     return major, minor
-
-
-def installed_te_version() -> str | None:
-    """The installed TransformerEngine's version, or None."""
-    for name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
 
 
 def te_pad_rule(te_version: str) -> PadRule:
