@@ -42,7 +42,7 @@ the whole row; `_patches.rope_cp_group` hands RoPE the row's length instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -192,10 +192,7 @@ def cp_inverse_index(packed_seq_params, cp_size: int, device: torch.device) -> t
     index = getattr(packed_seq_params, _INVERSE_ATTR, None)
     if index is None or index.device != device:
         layout = thd_layout(packed_seq_params)
-        spans = [span for span in layout.padded_lengths if span]  # zero-length entries hold no token
-        cu = [0]
-        for span in spans:
-            cu.append(cu[-1] + span)
+        cu = [0, *accumulate(span for span in layout.padded_lengths if span)]  # zero-length entries: no token
         index = thd_inverse_order(cu, layout.total, cp_size).to(device)
         setattr(packed_seq_params, _INVERSE_ATTR, index)
     return index

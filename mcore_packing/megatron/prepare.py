@@ -27,7 +27,7 @@ from ..thd.context_parallel import (
 from ..thd.loss_weights import LossNormalization, StepTotals, token_weights
 from ..thd.packed_batch import PackedBatch, build_packed_batch
 from ..thd.transfer import to_device_once
-from .packed_seq import host_packed_seq_params, on_device, thd_fields
+from .packed_seq import cp_inverse_index, host_packed_seq_params, on_device, thd_fields
 from .process_groups import ProcessGroups
 
 __all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "prepare_micro_batch"]
@@ -53,7 +53,6 @@ class PreparedMicroBatch:
     full_loss_mask: torch.Tensor  # [T] (THD) or [rows, width] (BSHD)
     local_valid_tokens: int  # valid targets in this CP shard, counted on the host (no device sync)
     target_counts: tuple[float, ...] = ()  # each sample's loss-mask sum over its targets (host), in row order
-    cp_inverse: torch.Tensor | None = None  # THD under CP: gathered shards (rank order) -> packed order
     group_ids: tuple | None = None  # the plan's group id of every sample of the step (indexed by sample id)
     segments: torch.Tensor | None = None  # like ``tokens`` (int64): each token's sequence in the micro-batch
     # (its index in ``sample_ids``), -1 at pad tokens; built for MoE models (router statistics, balance loss)
@@ -97,7 +96,6 @@ def prepare_micro_batch(
     if params is not None:
         on_device(params, {name[len("params.") :]: t for name, t in moved.items() if name.startswith("params.")})
     tensors = {name: moved.get(name) for name in _TENSOR_FIELDS}
-    tensors["cp_inverse"] = moved.get("params.cp_inverse")  # THD under CP: the params' gather index
     return PreparedMicroBatch(plan=mb, packed_seq_params=params, target_counts=tuple(_target_sum(s) for s in chosen),
                               group_ids=plan.groups, **tensors, **fields)  # fmt: skip
 
@@ -182,7 +180,8 @@ def per_sample_logprobs(
     if prep.packed is not None:
         flat = logprobs.reshape(-1)
         if process_groups.cp_size > 1:
-            flat = gather_from_cp(flat, prep.packed, process_groups.cp, inverse=prep.cp_inverse)
+            inverse = cp_inverse_index(prep.packed_seq_params, process_groups.cp_size, flat.device)  # moved with it
+            flat = gather_from_cp(flat, prep.packed, process_groups.cp, inverse=inverse)
         spans = list(prep.packed.padded_lengths)
         rows, masks = torch.split(flat, spans), torch.split(prep.full_loss_mask, spans)
     else:
@@ -204,9 +203,7 @@ def _target_sum(sample: SequenceSample) -> float:
 
 def target_count(sample: SequenceSample) -> int:
     """The sample's learned target tokens (targets are tokens 1..n-1; the loss mask picks them)."""
-    n = len(sample.tokens)
-    mask = torch.ones(n) if sample.loss_mask is None else torch.as_tensor(sample.loss_mask, dtype=torch.float32)
-    return int(mask.reshape(-1)[1:].sum().item())
+    return int(_target_sum(sample))
 
 
 def local_step_counts(
