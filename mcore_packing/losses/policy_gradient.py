@@ -74,10 +74,7 @@ class ClippedPGLoss:
         return dict(zip(METRIC_KEYS, values, strict=True))
 
     def _row(self, rows, sample_id: int, like: torch.Tensor) -> torch.Tensor:
-        row = rows[sample_id]
-        if not isinstance(row, torch.Tensor) or row.device != like.device:  # side inputs not staged (device=None)
-            row = torch.as_tensor(row, dtype=torch.float32, device=like.device)
-        return row.reshape(-1)[: like.numel()].float()
+        return _on(rows[sample_id], like).reshape(-1)[: like.numel()]
 
     def per_token(self, sample_id: int, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, KL]:
         """The loss of every next-token position of one sample (before masking), the log of the ratio to
@@ -85,9 +82,7 @@ class ClippedPGLoss:
         cfg = self.config
         lp = logprobs.float()
         old = self._row(self.old, sample_id, lp)
-        advantage = self.advantages[sample_id]
-        if not isinstance(advantage, torch.Tensor) or advantage.device != lp.device:
-            advantage = torch.as_tensor(advantage, dtype=torch.float32, device=lp.device)
+        advantage = _on(self.advantages[sample_id], lp)
         advantage = advantage.reshape(-1)[: lp.numel()] if advantage.dim() else advantage
         log_ratio_old = lp - old
         ratio = torch.exp(log_ratio_old)
@@ -125,6 +120,14 @@ class ClippedPGLoss:
             (kl * weights).sum() if kl is not None else weights.new_zeros(()),
         ]).double()  # fmt: skip
         self._sums = sums if self._sums is None else self._sums + sums
+
+
+def _on(value, like: torch.Tensor) -> torch.Tensor:
+    """A sample's side input as float32 on ``like``'s device: a view when it was staged there (``device=``),
+    else a copy (side inputs given without a device)."""
+    if not isinstance(value, torch.Tensor) or value.device != like.device:
+        return torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    return value.float()
 
 
 def _on_device(rows, device):
