@@ -19,6 +19,7 @@ device-to-device operations are not counted: they launch kernels and never wait.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import sys
 
@@ -129,3 +130,35 @@ class SyncCounter(TorchFunctionMode):
                 file, function, _ = where.rsplit(":", 2)
                 out[(file.rsplit("/", 1)[-1], function, name)] += n
         return dict(out)
+
+
+@contextlib.contextmanager
+def inside_forward_steps(around):
+    """While active, every forward step of Megatron's schedule (`megatron.schedule._forward_step`) and every
+    loss call it hands back run inside ``around()``, a context-manager factory (`SyncCounter` itself, or
+    CUDA's sync debug mode). Yields a list that gets one entry per forward step."""
+    import mcore_packing.megatron.schedule as schedule
+
+    original, seen = schedule._forward_step, []
+
+    def forward_step_factory(loss_func, process_groups):
+        inner = original(loss_func, process_groups)
+
+        def forward_step(data_iterator, model_chunk):
+            with around():
+                output, loss = inner(data_iterator, model_chunk)
+            seen.append(1)
+
+            def loss_inside(*args):
+                with around():
+                    return loss(*args)
+
+            return output, loss_inside
+
+        return forward_step
+
+    schedule._forward_step = forward_step_factory
+    try:
+        yield seen
+    finally:
+        schedule._forward_step = original

@@ -38,29 +38,6 @@ def _rollouts(seed: int):
     return out
 
 
-def _counted(schedule, counter, seen: list):
-    """`schedule._forward_step` with the counter on inside each forward step and each loss call."""
-    original = schedule._forward_step
-
-    def forward_step_factory(loss_func, process_groups):
-        inner = original(loss_func, process_groups)
-
-        def forward_step(data_iterator, model_chunk):
-            with counter:
-                output, loss = inner(data_iterator, model_chunk)
-            seen.append(1)
-
-            def counted_loss(*args):
-                with counter:
-                    return loss(*args)
-
-            return output, counted_loss
-
-        return forward_step
-
-    return forward_step_factory
-
-
 def _cases(policy, reference, layout):
     """(name, thunk) of every step kind; each thunk runs one step."""
     from mcore_packing.losses import ClippedPGConfig
@@ -96,12 +73,11 @@ def sync_budget_worker(rank: int, world_size: int, cps=(1, 2)) -> list[dict]:
     its forward steps, and the THD micro-batches among them."""
     import torch
 
-    import mcore_packing.megatron.schedule as schedule
     from mcore_packing.megatron import build_policy, cpu_device_adapter, initialize_parallel
     from mcore_packing.megatron.optimizer import build_optimizer, build_scheduler
     from mcore_packing.planning import ModelShape, ParallelLayout
 
-    from .sync_counter import SyncCounter
+    from .sync_counter import SyncCounter, inside_forward_steps
 
     shape = ModelShape(**SHAPE)
     results = []
@@ -116,13 +92,9 @@ def sync_budget_worker(rank: int, world_size: int, cps=(1, 2)) -> list[dict]:
             policy = build_policy(shape, layout, device=torch.device("cpu"), seed=3, optimizer=make)
             reference = build_policy(shape, layout, device=torch.device("cpu"), seed=3)
             for name, run in _cases(policy, reference, layout):
-                counter, seen = SyncCounter(), []
-                original = schedule._forward_step
-                schedule._forward_step = _counted(schedule, counter, seen)
-                try:
+                counter = SyncCounter()
+                with inside_forward_steps(lambda c=counter: c) as seen:
                     run()
-                finally:
-                    schedule._forward_step = original
                 results.append({
                     "cp": cp, "case": name, "forward_steps": len(seen), "layers": shape.num_layers,
                     "ours": counter.total("mcore_packing"), "megatron": counter.total("megatron"),

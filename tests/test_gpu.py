@@ -167,13 +167,15 @@ def test_the_step_makes_no_sync_of_ours_under_cuda_sync_debug_mode(single_rank):
     """CUDA's own sync debug mode ("warn") inside every forward step and loss call of an SFT step and a
     log-prob pass, packed and dynamic: each warning is charged to the Python frame that made the call.
     Ours must be none; Megatron's are printed (its unfused THD RoPE without TE's fusion)."""
+    import contextlib
     import json
     import os
     import warnings
 
-    import mcore_packing.megatron.schedule as schedule
     from mcore_packing.megatron import ProcessGroups, TokenMeanNLL, build_gpt_model, compute_logprobs, forward_backward
     from mcore_packing.planning import ModelShape, StepPlanConfig, plan_step
+
+    from .sync_counter import inside_forward_steps
 
     shape = ModelShape(num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
                        vocab_size=500, normalization="RMSNorm", gated_mlp=True, linear_bias=False)  # fmt: skip
@@ -183,44 +185,25 @@ def test_the_step_makes_no_sync_of_ours_under_cuda_sync_debug_mode(single_rank):
     g = torch.Generator().manual_seed(1)
     samples = [SequenceSample(torch.randint(0, 500, (n,), generator=g).tolist()) for n in (300, 17, 77, 512, 129, 5)]
     lengths = [len(s.tokens) for s in samples]
-    original, caught = schedule._forward_step, []
+    caught = []
 
-    def counted(loss_func, process_groups):
-        inner = original(loss_func, process_groups)
+    @contextlib.contextmanager
+    def sync_debug_mode():  # CUDA's own detector, its warnings kept
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                caught.extend(seen)
 
-        def forward_step(data_iterator, model_chunk):
-            with warnings.catch_warnings(record=True) as seen:
-                warnings.simplefilter("always")
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    output, loss = inner(data_iterator, model_chunk)
-                finally:
-                    torch.cuda.set_sync_debug_mode("default")
-            caught.extend(seen)
-
-            def counted_loss(*args):
-                with warnings.catch_warnings(record=True) as seen:
-                    warnings.simplefilter("always")
-                    torch.cuda.set_sync_debug_mode("warn")
-                    try:
-                        return loss(*args)
-                    finally:
-                        torch.cuda.set_sync_debug_mode("default")
-                        caught.extend(seen)
-
-            return output, counted_loss
-
-        return forward_step
-
-    schedule._forward_step = counted
-    try:
+    with inside_forward_steps(sync_debug_mode):
         for mode in ("packing", "dynamic"):
             config = StepPlanConfig(mode=mode, train_mb_tokens=1024)
             model.zero_grad_buffer()
             forward_backward(model, samples, plan_step(lengths, config), pgs, loss=TokenMeanNLL(), device=device)
             compute_logprobs(model, samples, plan_step(lengths, config, forward_only=True), pgs, device=device)
-    finally:
-        schedule._forward_step = original
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     counts = {"mcore_packing": [], "megatron": [], "other": []}
     for w in syncs:
