@@ -195,11 +195,10 @@ def te_thd_fields(
     if extra:
         cu = torch.cat([cu, cu[-1:].expand(extra)])
         cu_padded = torch.cat([cu_padded, cu_padded[-1:].expand(extra)])
-    if not truth:
-        cu_padded = cu  # no padding: one tensor, so TE 2.18+ infers False as the older rule does
-    return TeThdFields(cu_seqlens=cu.contiguous(), cu_seqlens_padded=cu_padded.contiguous() if truth else cu,
-                       max_seqlen=max(padded), pad_between_seqs=truth, pass_flag="pad_between_seqs" in fields,
-                       zero_length_entries=extra)  # fmt: skip
+    cu = cu.contiguous()
+    cu_padded = cu_padded.contiguous() if truth else cu  # no padding: one tensor, so TE 2.18+ infers False too
+    return TeThdFields(cu_seqlens=cu, cu_seqlens_padded=cu_padded, max_seqlen=max(padded), pad_between_seqs=truth,
+                       pass_flag="pad_between_seqs" in fields, zero_length_entries=extra)  # fmt: skip
 
 
 def check_te_contract(
