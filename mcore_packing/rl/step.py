@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from ..losses import ClippedPGConfig, ClippedPGLoss
+from ..losses.policy_gradient import METRIC_KEYS as PG_METRIC_KEYS
 from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, minibatches, rollout_samples
 from ..megatron import PerSample, Policy, StepOutcome, compute_logprobs, train_step
 from ..planning import StepPlan, StepPlanConfig, plan_step
@@ -164,8 +165,7 @@ def _entropy(old_logprobs, samples) -> float:
 
 def _reduce_metrics(sums: dict) -> dict:
     """Token-weighted means over every rank (TP, CP and the stages without a loss scale all counts alike)."""
-    keys = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl")
-    tokens, clipped, kl, ratio, reference_kl = sum_over_ranks([sums[k] for k in keys])
+    tokens, clipped, kl, ratio, reference_kl = sum_over_ranks([sums[k] for k in PG_METRIC_KEYS])
     tokens = max(tokens, 1.0)
     return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens, "mean_ratio": ratio / tokens,
             "reference_kl": reference_kl / tokens}  # fmt: skip
