@@ -36,7 +36,7 @@ def main() -> int:
     config = run_config(args, threads=os.environ.get("RAYON_NUM_THREADS", "tokenizers' default"))
     with tempfile.TemporaryDirectory() as tmp:
         tok = ChatTokenizer(make_tokenizer(Path(tmp) / "tok", args.vocab))
-        conversations = _records("champ", None, "text")[: args.conversations]
+        conversations = _records("champ_full", None, "text")[1][: args.conversations]
         texts = [tok.render(c) for c in conversations]
         start = time.perf_counter()
         raw = tok.encode_batch(texts)

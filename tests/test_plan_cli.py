@@ -156,7 +156,7 @@ def test_vpp_that_does_not_split_the_layers_exits_2_naming_the_flags(capsys):
 def test_jsonl_is_tokenized_with_the_bundled_vocabulary(tmp_path, capsys):
     from mcore_packing.data.real_text import get_tokenizer
 
-    texts = ["hello world", "packing sequences saves compute " * 20, "x"]
+    texts = ["hello world", "packing sequences saves compute " * 20, "x y"]  # each with a learned token
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(json.dumps({"body": t}) for t in texts) + "\n")
     args = ["--jsonl", str(path), "--field", "body", "--mb-tokens", "512", "--json", "--no-recommend"]

@@ -6,6 +6,7 @@ unfinished store is refused naming the file."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -118,21 +119,63 @@ def test_bad_lines_are_reported_together_and_nothing_is_written(tmp_path, model)
     assert proc.returncode == 2 and "exists; remove it" in proc.stderr
 
 
+def test_samples_without_a_learned_token_are_refused_or_dropped_and_contents_must_be_text(tmp_path, model):
+    """prepare checks what training checks: a conversation with no assistant turn is refused naming
+    file:line (or dropped and counted with --samples-without-targets drop); a content that is a number
+    is refused; text parts are joined into the string a text-only chat template renders."""
+    def chat(*turns):
+        return json.dumps({"messages": [{"role": r, "content": c} for r, c in turns]})
+
+    lines = [chat(("user", "2+2?"), ("assistant", "4"))] * 4
+    lines[1] = chat(("user", "hello?"))
+    lines[2] = chat(("user", "3+3?"), ("assistant", [{"type": "text", "text": "6"}]))
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    args = {"hf_path": model, "text_field": "messages"}
+    with pytest.raises(ValueError, match=r"chat\.jsonl:2 has no learned token \(a conversation without an assistant"):
+        prepare(path, tmp_path / "refused", **args)
+    assert not (tmp_path / "refused").exists()
+    manifest = prepare(path, tmp_path / "dropped", **args, samples_without_targets="drop")
+    assert manifest["counts"]["num_samples"] == 3 and manifest["counts"]["samples_without_targets_dropped"] == 1
+    assert len(PreparedStore(tmp_path / "dropped")) == 3  # the other three records, each a sample
+    parts, plain = (tmp_path / "parts.jsonl"), (tmp_path / "plain.jsonl")
+    parts.write_text(lines[2] + "\n")
+    plain.write_text(chat(("user", "3+3?"), ("assistant", "6")) + "\n")
+    a, b = prepare(parts, tmp_path / "a", **args), prepare(plain, tmp_path / "b", **args)
+    assert np.array_equal(PreparedStore(tmp_path / "a")[0].tokens, PreparedStore(tmp_path / "b")[0].tokens)
+    assert a["counts"]["num_tokens"] == b["counts"]["num_tokens"]
+    path.write_text(chat(("user", "2+2?"), ("assistant", 4)) + "\n")
+    with pytest.raises(ValueError, match=r"chat\.jsonl:1: message 1 has content 4 \(int\); content must be a string"):
+        prepare(path, tmp_path / "number", **args)
+
+
 @pytest.mark.slow
 def test_training_and_planning_from_the_store_equal_them_from_the_jsonl(tmp_path, model, jsonl):
-    from .test_train import metrics, train
+    from .test_train import metrics
 
     # the policy the test helper's runs use (data.long_samples=truncate)
     prepare(jsonl, tmp_path / "store", hf_path=model, text_field="messages", max_sample_tokens=1024,
             long_samples="truncate")  # fmt: skip
-    common = [f"model.hf_path={model}", "data.num_samples=null", "data.max_sample_tokens=1024", "training.steps=2",
+    # data.num_samples left at its default: every sample, from the file and from the store alike
+    common = [f"model.hf_path={model}", "data.max_sample_tokens=1024", "training.steps=2",
               "training.global_batch_size=8", "sequence_packing.train_mb_tokens=1024"]  # fmt: skip
-    raw = train(tmp_path / "raw", *common, "data.source=jsonl", f"data.path={jsonl}", "data.text_field=messages")
-    stored = train(tmp_path / "stored", *common, f"data.prepared={tmp_path / 'store'}")
+    def run(name: str, *args: str):  # the test helper's settings except its data.num_samples
+        from .test_train import SMALL
+
+        small = [o for o in SMALL if not o.startswith("data.num_samples=")]
+        return subprocess.run([sys.executable, "-m", "mcore_packing", "train", *small, *common, *args,
+                               f"run_dir={tmp_path / name}"], capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+
+    raw = run("raw", "data.source=jsonl", f"data.path={jsonl}", "data.text_field=messages")
+    stored = run("stored", f"data.prepared={tmp_path / 'store'}")
     assert raw.returncode == 0 and stored.returncode == 0, stored.stderr[-3000:]
     rows = {run: [(r["loss"], r["grad_norm"], r["sample_ids"]) for r in metrics(tmp_path / run)]
             for run in ("raw", "stored")}  # fmt: skip
     assert rows["raw"] == rows["stored"]
+    size = len(PreparedStore(tmp_path / "store"))
+    for proc in (raw, stored):  # the log says what the run draws from
+        assert f"data: {size} samples; 2 steps x 8 = 16 draws: no sample seen twice" in proc.stdout, proc.stdout[-2000:]
     assert not [line for line in stored.stderr.splitlines() if "data." in line and "is ignored" in line]
     manifest = json.loads(next((tmp_path / "stored").rglob("mcore_packing.json")).read_text())
     assert manifest["data_fingerprint"].startswith(PreparedStore(tmp_path / "store").fingerprint)

@@ -114,7 +114,7 @@ def test_batched_chat_encoding_equals_one_conversation_at_a_time(tokenizer_folde
     from mcore_packing.data.sft import _records
 
     tok = ChatTokenizer(tokenizer_folder)
-    conversations = _records("champ", None, "text")[:150]
+    conversations = _records("champ_full", None, "text")[1][:150]
     batched = tok.encode_conversations(conversations)
     assert batched == [tok.encode_conversation(c) for c in conversations]
     for conversation, (ids, mask, ends) in zip(conversations[:40], batched, strict=False):

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..data.jsonl import BadLines
-from ..data.sft import LONG_SAMPLE_POLICIES, check_outcome
+from ..data.sft import LONG_SAMPLE_POLICIES, WITHOUT_TARGETS, check_outcome
 from ..data.sources import RecordSource
 from ..data.store import FORMAT, KINDS, MANIFEST, IndexedWriter, file_digest, store_files, token_dtype
 from .config import DataConfig
@@ -42,7 +42,8 @@ from .prepare_records import encode_chunk, init_worker
 
 __all__ = ["main", "prepare"]
 
-_FLAGS = {"limit": "--max-sample-tokens", "truncate": "pass --long-samples truncate", "learn": "pass --learn-prompt"}
+_FLAGS = {"limit": "--max-sample-tokens", "truncate": "pass --long-samples truncate", "learn": "pass --learn-prompt",
+          "targets": "pass --samples-without-targets drop"}
 """How the shared data checks name this command's settings (`data.sft.check_outcome`)."""
 
 
@@ -61,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--long-samples", default=defaults.long_samples, choices=LONG_SAMPLE_POLICIES,
                    help="data.long_samples (default: drop conversations, split text)")  # fmt: skip
     p.add_argument("--learn-prompt", action="store_true", help="data.learn_prompt: learn every turn")
+    p.add_argument("--samples-without-targets", default=defaults.samples_without_targets, choices=WITHOUT_TARGETS,
+                   help="data.samples_without_targets: a record with no learned token is an error (default, naming "
+                   "file:line) or dropped and counted")  # fmt: skip
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizing processes (default: cores)")
     p.add_argument("--chunk-records", type=int, default=1000, help="records per worker task")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -73,14 +77,16 @@ def main(argv: list[str] | None = None) -> int:
         manifest = prepare(
             args.input, args.out, kind=args.kind, hf_path=args.hf_path, split=args.split, text_field=args.text_field,
             max_sample_tokens=args.max_sample_tokens, long_samples=args.long_samples, learn_prompt=args.learn_prompt,
-            workers=args.workers, chunk_records=args.chunk_records, progress=not args.no_progress,
+            samples_without_targets=args.samples_without_targets, workers=args.workers,
+            chunk_records=args.chunk_records, progress=not args.no_progress,
         )  # fmt: skip
     except (ValueError, FileNotFoundError, FileExistsError, ImportError) as exc:
         print(f"prepare error: {exc}", file=sys.stderr)
         return 2
     counts = manifest["counts"]
     what = {"sft": lambda: f"{counts['long_samples_dropped']} dropped, {counts['long_samples_truncated']} "
-                           f"truncated, {counts['long_samples_split']} split",
+                           f"truncated, {counts['long_samples_split']} split, "
+                           f"{counts['samples_without_targets_dropped']} without a learned token dropped",
             "pairs": lambda: f"{counts['pairs']} pairs, {counts['pairs_dropped_too_long']} dropped as too long",
             "rollouts": lambda: f"{counts['groups']} groups"}[args.kind]()  # fmt: skip
     print(f"prepared {args.out} ({args.kind}): {counts['num_samples']} samples, {counts['num_tokens']} tokens from "
@@ -88,16 +94,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _settings(kind: str, text_field: str, max_sample_tokens: int, long_samples, learn_prompt: bool) -> dict:
+def _settings(kind: str, text_field: str, max_sample_tokens: int, long_samples, learn_prompt: bool,
+              samples_without_targets: str) -> dict:  # fmt: skip
     """The ``data.*`` settings a store of ``kind`` was tokenized with (its manifest records them)."""
     if kind == "sft":
         return {"text_field": text_field, "max_sample_tokens": max_sample_tokens, "long_samples": long_samples,
-                "learn_prompt": learn_prompt}  # fmt: skip
+                "learn_prompt": learn_prompt, "samples_without_targets": samples_without_targets}  # fmt: skip
     return {"max_sample_tokens": max_sample_tokens} if kind == "pairs" else {}
 
 
 def prepare(input_path, out, *, kind="sft", hf_path=None, split=None, text_field="text", max_sample_tokens=2048,
-            long_samples=None, learn_prompt=False, workers=1, chunk_records=1000, progress=False) -> dict:  # fmt: skip
+            long_samples=None, learn_prompt=False, samples_without_targets="error", workers=1, chunk_records=1000,
+            progress=False) -> dict:  # fmt: skip
     """Write the store ``out`` from ``input_path`` (see the module docstring); its manifest."""
     start, out = time.perf_counter(), Path(out)
     if kind not in KINDS:
@@ -116,7 +124,10 @@ def prepare(input_path, out, *, kind="sft", hf_path=None, split=None, text_field
         from ..data.hf_tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer(hf_path)
-    settings = _settings(kind, text_field, max_sample_tokens, long_samples, learn_prompt)
+    if samples_without_targets not in WITHOUT_TARGETS:
+        raise ValueError(f"--samples-without-targets {samples_without_targets}: use one of "
+                         f"{', '.join(WITHOUT_TARGETS)}.")  # fmt: skip
+    settings = _settings(kind, text_field, max_sample_tokens, long_samples, learn_prompt, samples_without_targets)
     partial = out.parent / f".{out.name}.partial"
     shutil.rmtree(partial, ignore_errors=True)  # a previous prepare's remains
     partial.mkdir(parents=True)
@@ -157,7 +168,8 @@ def _write(source: RecordSource, folder: Path, kind: str, tokenizer, settings: d
     import multiprocessing
 
     digest = hashlib.sha256()
-    writer, bad, meter = _StoreWriter(folder, kind, tokenizer), BadLines(), _Progress(progress)
+    what = "lines" if source.form == "jsonl" else "rows"
+    writer, bad, meter = _StoreWriter(folder, kind, tokenizer), BadLines(what), _Progress(progress)
     hf_path = None if tokenizer is None else str(tokenizer.folder)
     context = multiprocessing.get_context("fork")
     with context.Pool(workers, initializer=init_worker, initargs=(hf_path, kind, settings)) as pool:
@@ -239,7 +251,8 @@ def _check_kind(kind: str, totals: dict, any_learned: bool, group_ids: list, set
     if kind == "sft":
         check_outcome(num_records=totals["num_records"], num_samples=totals["num_samples"],
                       dropped=totals["long_samples_dropped"], any_learned=any_learned,
-                      max_sample_tokens=settings["max_sample_tokens"], keys=_FLAGS)  # fmt: skip
+                      max_sample_tokens=settings["max_sample_tokens"], keys=_FLAGS,
+                      without_targets=totals["samples_without_targets_dropped"])  # fmt: skip
     elif kind == "pairs" and totals["pairs"] == 0:
         limit = settings["max_sample_tokens"]
         raise ValueError(f"No pairs are left: all {totals['pairs_dropped_too_long']} have a response longer "

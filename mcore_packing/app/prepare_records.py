@@ -21,7 +21,7 @@ import numpy as np
 
 from ..data.jsonl import BadLines, field_of, parse_jsonl_line
 from ..data.preference import encode_pair, pair_form
-from ..data.sft import check_record, chunk_info, tokenize_chunk
+from ..data.sft import check_record, check_targets, chunk_info, tokenize_chunk
 from ..data.sources import Chunk
 from ..data.store import spans_from_mask
 from ..losses.rollouts import check_rollout, rollout_from_record, rollout_samples
@@ -79,8 +79,10 @@ def _sft_record(where: str, obj: dict, field: str):
     if field not in obj and set(_ROLLOUT_KEYS) <= set(obj):
         raise ValueError(f"{where} is a rollout (prompt_tokens, response_tokens, reward); pass --kind rollouts.")
     record = field_of(obj, field, where, "--text-field (data.text_field)")
-    check_record(record, where, field)
-    return record
+    return check_record(record, where, field)
+
+
+_FLAGS = {"learn": "pass --learn-prompt", "targets": "pass --samples-without-targets drop"}
 
 
 def _encode_sft(objects: list, tokenizer, settings: dict) -> dict:
@@ -89,7 +91,10 @@ def _encode_sft(objects: list, tokenizer, settings: dict) -> dict:
     if bad.messages:
         return {"errors": bad.messages}
     chunk = tokenize_chunk(records, tokenizer, learn_prompt=settings["learn_prompt"], long_samples=settings[
-        "long_samples"], max_sample_tokens=settings["max_sample_tokens"])  # fmt: skip
+        "long_samples"], max_sample_tokens=settings["max_sample_tokens"], wheres=[w for w, _ in objects])  # fmt: skip
+    refused = check_targets(chunk, settings.get("samples_without_targets", "error"), _FLAGS)
+    if refused:
+        return {"errors": refused}
     info = chunk_info(chunk)
     del info["learned_token_share"]  # a ratio: the parent takes it over the whole file
     return {**_arrays(chunk.samples), "info": {**info, "learned_tokens": chunk.learned_tokens},

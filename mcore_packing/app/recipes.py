@@ -183,7 +183,7 @@ def _family_recipe(
     max_sample_tokens: int,
 ) -> TrainConfig:
     model = family_model(model_name)
-    data = DataConfig(source="champ", encoding=_encoding(model), vocab_size=model.vocab_size, num_samples=None,
+    data = DataConfig(source="champ_full", encoding=_encoding(model), vocab_size=model.vocab_size,
                       max_sample_tokens=max_sample_tokens)  # fmt: skip
     return _fits(
         TrainConfig(

@@ -1,7 +1,10 @@
 """SFT samples from real text: token ids and a loss mask per sample, ready for packing.
 
-Sources: the bundled CHAMP conversations, or a user JSONL file whose ``text_field`` holds either plain
-text (every token learned) or a conversation: a list of ``{"role": ..., "content": ...}`` messages.
+Sources (`SFT_SOURCES`): ``champ``, the bundled demo: `CHAMP_DEMO` conversations of CHAMP spread evenly
+over its 19,440 (so the quick start tokenizes in a second); ``champ_full``, all of them; or ``jsonl``, a
+user file whose ``text_field`` holds either plain text (every token learned) or a conversation: a list of
+``{"role": ..., "content": ...}`` messages. ``num_samples`` then picks that many evenly spaced records of
+the source; its default, None, takes every one, whatever the source (a prepared store too).
 In conversations only the assistant's turns are learned (CHAMP: the "Model..." turns) unless
 ``learn_prompt``.
 
@@ -13,6 +16,14 @@ Tokenizers:
   most frequent ids keep a slot, the rest share ``<unk>``, id 0) so a tiny demo model stays small;
   conversations are rendered as ``role: text`` lines. It changes which ids the model sees, never how many
   tokens a sample has.
+
+A message's ``content`` is a string, or a list of text parts ``[{"type": "text", "text": "..."}]`` (the
+OpenAI and Hugging Face structured form), which is joined into one string, as text-only chat templates
+render it; anything else (a number, null, an image part) is refused naming ``file:line``.
+
+A sample with no learned token (a conversation without an assistant turn, a one-token text) costs compute
+and teaches nothing: refused naming ``file:line`` (``samples_without_targets=error``, the default) or
+dropped and counted (``drop``).
 
 Samples longer than ``max_sample_tokens`` (``long_samples``):
 - ``drop`` (the default for conversations): counted and reported;
@@ -33,11 +44,28 @@ from .jsonl import BadLines
 from .real_text import champ_conversations, get_tokenizer, read_jsonl_field
 from .sample import SequenceSample
 
-__all__ = ["LONG_SAMPLE_POLICIES", "ROLES", "SftData", "TokenizedChunk", "check_messages", "check_outcome",
-           "check_record", "chunk_info", "evenly_spaced", "load_sft_data", "tokenize_chunk"]  # fmt: skip
+__all__ = [
+    "LONG_SAMPLE_POLICIES",
+    "ROLES",
+    "WITHOUT_TARGETS",
+    "SftData",
+    "TokenizedChunk",
+    "check_messages",
+    "check_outcome",
+    "check_record",
+    "check_targets",
+    "chunk_info",
+    "evenly_spaced",
+    "load_sft_data",
+    "tokenize_chunk",
+]  # fmt: skip
 
 UNK_ID = 0
 LONG_SAMPLE_POLICIES = ("drop", "truncate", "split", "error")
+WITHOUT_TARGETS = ("error", "drop")
+SFT_SOURCES = ("champ", "champ_full", "jsonl")
+CHAMP_DEMO = 512
+"""``samples_without_targets``: what happens to a sample with no learned token."""
 ROLES = ("system", "user", "assistant", "tool")
 """The chat roles a conversation may use (the ones chat templates render); others are refused by name."""
 
@@ -64,17 +92,20 @@ def _role(name: str) -> str:
     return "assistant" if name.startswith("Model") else "system" if name == "System" else "user"
 
 
-def _records(source: str, path: str | None, text_field: str) -> list:
-    """Conversations (lists of {"role", "content"}) or plain texts."""
-    if source == "champ":
-        return [[{"role": _role(r), "content": t} for r, t in turns] for turns in champ_conversations()]
+def _records(source: str, path: str | None, text_field: str) -> tuple[list[str], list]:
+    """Where each record is (``file:line``) and the records: conversations (lists of {"role", "content"}
+    with string contents) or plain texts."""
+    if source in ("champ", "champ_full"):
+        conversations = champ_conversations()
+        chosen = evenly_spaced(len(conversations), CHAMP_DEMO if source == "champ" else None)
+        return ([f"CHAMP conversation {i}" for i in chosen],
+                [[{"role": _role(r), "content": t} for r, t in conversations[i]] for i in chosen])  # fmt: skip
     if source != "jsonl":
-        raise ValueError(f"data.source must be 'champ' or 'jsonl', got {source!r}.")
+        raise ValueError(f"data.source must be one of {SFT_SOURCES}, got {source!r}.")
     records, bad = read_jsonl_field(path, text_field, key="data.text_field"), BadLines()
-    for line, record in records:
-        bad.check(check_record, record, f"{path}:{line}", text_field)
+    checked = [bad.check(check_record, record, f"{path}:{line}", text_field) for line, record in records]
     bad.raise_any()
-    return [r for _, r in records]
+    return [f"{path}:{line}" for line, _ in records], checked
 
 
 def evenly_spaced(total: int, count: int | None) -> np.ndarray:
@@ -85,17 +116,33 @@ def evenly_spaced(total: int, count: int | None) -> np.ndarray:
     return np.linspace(0, total - 1, count).round().astype(np.int64)
 
 
-def check_record(record, where: str, text_field: str) -> None:
-    """A record's ``text_field`` is a text or a conversation (`check_messages`)."""
+def check_record(record, where: str, text_field: str):
+    """A record's ``text_field`` is a text or a conversation (`check_messages`); returns it with every
+    message's content a string."""
     if isinstance(record, list):
-        check_messages(record, where)
-    elif not isinstance(record, str):
+        return check_messages(record, where)
+    if not isinstance(record, str):
         raise ValueError(f"{where}: {text_field} is {str(record)[:60]} ({type(record).__name__}); it must be the "
                          "text (a string) or a list of {'role', 'content'} messages.")  # fmt: skip
+    return record
 
 
-def check_messages(messages, where: str) -> None:
-    """A conversation is a list of ``{"role", "content"}`` messages with roles from `ROLES`."""
+def _content(content, where: str, index: int) -> str:
+    """A message's content as a string: itself, or its text parts joined (see the module docstring)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
+            p.get("text"), str) for p in content):  # fmt: skip
+        return "".join(p["text"] for p in content)
+    raise ValueError(
+        f"{where}: message {index} has content {str(content)[:60]} ({type(content).__name__}); content must be a "
+        "string or a list of text parts [{'type': 'text', 'text': '...'}]."
+    )
+
+
+def check_messages(messages, where: str) -> list[dict]:
+    """A conversation is a list of ``{"role", "content"}`` messages with roles from `ROLES` and string (or
+    text-part) contents; returns it with string contents."""
     if not all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in messages):
         raise ValueError(f"{where} is a list but not of {{'role', 'content'}} messages.")
     unknown = sorted({m["role"] for m in messages} - set(ROLES))
@@ -104,6 +151,7 @@ def check_messages(messages, where: str) -> None:
             f"{where} uses role(s) {unknown}; chat templates know {list(ROLES)} and only assistant turns are "
             "learned. Rename them (ShareGPT's human -> user, gpt -> assistant)."
         )
+    return [{**m, "content": _content(m["content"], where, i)} for i, m in enumerate(messages)]
 
 
 def _encode_compact(record, encode, learn_prompt: bool) -> _Encoded:
@@ -172,6 +220,7 @@ class TokenizedChunk:
     num_records: int
     num_tokens: int  # of the non-empty records, before the policy
     learned_tokens: float
+    without_targets: list[str] = field(default_factory=list)  # where the records with no learned token are
 
     @property
     def any_learned(self) -> bool:
@@ -180,25 +229,42 @@ class TokenizedChunk:
 
 
 def _apply_policy(encoded: list[_Encoded], num_records: int, long_samples, max_sample_tokens: int,
-                  remap=None) -> TokenizedChunk:  # fmt: skip
-    encoded = [r for r in encoded if r.ids]
-    samples, outcomes = [], Counter()
-    for record in encoded:
+                  remap=None, wheres: list[str] | None = None) -> TokenizedChunk:  # fmt: skip
+    """The samples of the non-empty records; a record with no learned token is left out and named in
+    ``without_targets`` (the caller refuses or counts it: `check_targets`)."""
+    wheres = wheres if wheres is not None else [f"record {i}" for i in range(len(encoded))]
+    kept = [(where, r) for where, r in zip(wheres, encoded, strict=True) if r.ids]
+    encoded = [r for _, r in kept]
+    samples, outcomes, without = [], Counter(), []
+    for where, record in kept:
+        if not any(record.mask[1:]):
+            without.append(where)
+            continue
         pieces, outcome = _fit(record, long_samples, max_sample_tokens)
         outcomes[outcome] += 1
         for ids, mask in pieces:
             ids = ids if remap is None else [remap.get(t, UNK_ID) for t in ids]
             samples.append((np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.float32)))
     return TokenizedChunk(samples, outcomes, num_records, sum(len(r.ids) for r in encoded),
-                          float(sum(np.sum(r.mask) for r in encoded)))  # fmt: skip
+                          float(sum(np.sum(r.mask) for r in encoded)), without)  # fmt: skip
+
+
+def check_targets(chunk: TokenizedChunk, policy: str, keys: dict) -> list[str]:
+    """The messages refusing ``chunk``'s records without a learned token (``policy="error"``; none for
+    ``drop``, which counts them)."""
+    if policy == "drop":
+        return []
+    return [f"{where} has no learned token (a conversation without an assistant turn, or a one-token text): it "
+            f"would cost compute and teach nothing. Add the assistant's reply, {keys['learn']} to learn every turn, "
+            f"or {keys['targets']} to drop such samples (counted)." for where in chunk.without_targets]  # fmt: skip
 
 
 def tokenize_chunk(records: list, tokenizer, *, learn_prompt: bool, long_samples: str | None,
-                   max_sample_tokens: int) -> TokenizedChunk:  # fmt: skip
+                   max_sample_tokens: int, wheres: list[str] | None = None) -> TokenizedChunk:  # fmt: skip
     """Records (texts or conversations) through a `hf_tokenizer.ChatTokenizer` in batches, then the
     long-sample policy: what training does to every chunk of a data set (`load_sft_data`, ``prepare``)."""
     encoded = _encode_chat(records, tokenizer, learn_prompt)
-    return _apply_policy(encoded, len(records), long_samples, max_sample_tokens)
+    return _apply_policy(encoded, len(records), long_samples, max_sample_tokens, wheres=wheres)
 
 
 def _compact_vocab(encoded: list[_Encoded], vocab_size: int) -> tuple[dict, float]:
@@ -219,27 +285,34 @@ def load_sft_data(
     long_samples: str | None = None,
     max_sample_tokens: int = 2048,
     learn_prompt: bool = False,
+    samples_without_targets: str = "error",
     tokenizer_path: str | None = None,
 ) -> SftData:
     """Load, tokenize and apply the long-sample policy (see the module docstring)."""
-    records = _records(source, path, text_field)
-    records = [records[i] for i in evenly_spaced(len(records), num_samples)]
+    wheres, records = _records(source, path, text_field)
+    chosen = evenly_spaced(len(records), num_samples)
+    wheres, records = [wheres[i] for i in chosen], [records[i] for i in chosen]
     if tokenizer_path is not None:
         from .hf_tokenizer import ChatTokenizer
 
         tokenizer = ChatTokenizer(tokenizer_path)
         chunk = tokenize_chunk(records, tokenizer, learn_prompt=learn_prompt, long_samples=long_samples,
-                               max_sample_tokens=max_sample_tokens)  # fmt: skip
+                               max_sample_tokens=max_sample_tokens, wheres=wheres)  # fmt: skip
         unk_share, vocab_size = 0.0, tokenizer.vocab_size
     else:
         quick = get_tokenizer(encoding)
         encode = quick.encode_ordinary if hasattr(quick, "encode_ordinary") else quick.encode
         encoded = [_encode_compact(r, encode, learn_prompt) for r in records]
         remap, unk_share = _compact_vocab(encoded, vocab_size)
-        chunk = _apply_policy(encoded, len(records), long_samples, max_sample_tokens, remap)
+        chunk = _apply_policy(encoded, len(records), long_samples, max_sample_tokens, remap, wheres)
+    bad = BadLines("records")
+    for message in check_targets(chunk, samples_without_targets, DATA_KEYS):
+        bad.add(message)
+    bad.raise_any()
     samples = [SequenceSample(ids, mask) for ids, mask in chunk.samples]
     check_outcome(num_records=chunk.num_records, num_samples=len(samples), dropped=chunk.outcomes["dropped"],
-                  any_learned=chunk.any_learned, max_sample_tokens=max_sample_tokens)  # fmt: skip
+                  any_learned=chunk.any_learned, max_sample_tokens=max_sample_tokens,
+                  without_targets=len(chunk.without_targets))  # fmt: skip
     info = {
         "source": source,
         "tokenizer": tokenizer_path or f"quicktok:{encoding} (compact)",
@@ -251,17 +324,23 @@ def load_sft_data(
 
 
 DATA_KEYS = {"limit": "data.max_sample_tokens", "truncate": "set data.long_samples=truncate",
-             "learn": "set data.learn_prompt=true"}  # fmt: skip
+             "learn": "set data.learn_prompt=true", "targets": "set data.samples_without_targets=drop"}  # fmt: skip
 """How `check_outcome`'s fixes name the settings (``prepare`` names its flags)."""
 
 
 def check_outcome(*, num_records: int, num_samples: int, dropped: int, any_learned: bool, max_sample_tokens: int,
-                  keys: dict = DATA_KEYS) -> None:  # fmt: skip
+                  keys: dict = DATA_KEYS, without_targets: int = 0) -> None:  # fmt: skip
     """A data set with no sample left, or none with a learned token, is refused (the fix named)."""
     if num_samples and not any_learned:
         raise ValueError(
             "No token of the data set is learned: conversations need an assistant turn (only those are learned), "
             f"or {keys['learn']} to learn every turn."
+        )
+    if not num_samples and without_targets:
+        raise ValueError(
+            f"No samples are left: {without_targets} of {num_records} records have no learned token (conversations "
+            f"need an assistant turn, or {keys['learn']}) and {dropped} are longer than {keys['limit']}="
+            f"{max_sample_tokens}."
         )
     if not num_samples:
         raise ValueError(
@@ -280,5 +359,6 @@ def chunk_info(chunk: TokenizedChunk) -> dict:
         "long_samples_split": chunk.outcomes["split"],
         "long_samples_truncated": chunk.outcomes["truncated"],
         "long_samples_dropped": chunk.outcomes["dropped"],
+        "samples_without_targets_dropped": len(chunk.without_targets),
         "learned_token_share": chunk.learned_tokens / chunk.num_tokens if chunk.num_tokens else 0.0,
     }
