@@ -3,7 +3,9 @@
 - TransformerEngine: optional (``pip install 'mcore-packing[te]'``). Used when importable; never needed.
   `te_version` reads its version from the metadata (which rule it follows for packed rows: `te_contract`).
 - megatron-core: 0.16 to 0.19. ``PackedSeqParams`` grew fields over releases (``total_tokens``,
-  ``pad_between_seqs``); we detect fields instead of comparing versions.
+  ``pad_between_seqs``); we detect fields instead of comparing versions. Its import warns four times that
+  TE and Apex are absent (`MEGATRON_IMPORT_NOISE`); `quiet_megatron_imports` filters exactly those, since
+  which attention backend runs is ours to say.
 - torch: ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen, CUDA only, fp16/bf16) when
   present. Its signature changed between releases (an ``is_causal`` flag first; keyword ``window_size``,
   ``scale`` and ``enable_gqa`` later); `varlen_attention` calls either. (Collectives, and torch's
@@ -20,8 +22,10 @@ import importlib
 import importlib.metadata
 
 __all__ = [
+    "MEGATRON_IMPORT_NOISE",
     "megatron_core_version",
     "packed_seq_params_fields",
+    "quiet_megatron_imports",
     "require_megatron",
     "require_pyarrow",
     "te_available",
@@ -97,6 +101,20 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, caus
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+
+
+MEGATRON_IMPORT_NOISE = (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*")
+"""The warnings megatron-core's modules give on import when TE and Apex are absent (the fallbacks they
+name are what runs on such a machine; `te_available` and the attention backend say what we use)."""
+
+
+def quiet_megatron_imports() -> None:
+    """Filter `MEGATRON_IMPORT_NOISE` (only those messages) for the process: called where we import
+    megatron-core, so a user's own script that imports `mcore_packing.megatron` sees none of them."""
+    import warnings
+
+    for pattern in MEGATRON_IMPORT_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=UserWarning)
 
 
 def require_megatron():

@@ -1,7 +1,8 @@
 """``python -m mcore_packing export``: a training checkpoint -> a Hugging Face folder (transformers, vLLM).
 
-    python -m mcore_packing export --checkpoint outputs/local/sft/checkpoints --out my-model
-    python -m mcore_packing export --checkpoint outputs/local/sft/checkpoints/step_000200 --out my-model --dtype float32
+    python -m mcore_packing export --checkpoint outputs/sft/latest/checkpoints --out my-model
+    python -m mcore_packing export --checkpoint outputs/sft/latest/checkpoints/step_000200 --out my-model \
+        --dtype float32
 
 ``--dtype`` defaults to the run's training dtype (``model.dtype``); config.json's ``dtype`` and
 ``torch_dtype`` both name the dtype of the stored tensors. A non-empty ``--out`` is refused unless

@@ -1,3 +1,4 @@
+# ruff: noqa: E402  (the warning filter must precede the first megatron-core import)
 """The Megatron-Core-facing layer: PackedSeqParams, THD attention, layer specs, model building, the CPU
 device adapter, and the schedule driver that runs a step plan through Megatron's pipeline schedule.
 
@@ -26,6 +27,10 @@ Importing this package imports megatron-core; the packing and planning layers do
   one builder of a policy and of its frozen reference.
 - `train_step`: `train_step`: `forward_backward`, then Megatron's optimizer and LR schedule steps.
 """
+
+from ..compat import quiet_megatron_imports
+
+quiet_megatron_imports()  # before the first megatron-core import below
 
 from ._patches.cpu_device import CpuDeviceAdapter, cpu_device_adapter
 from .attention import PackedCoreAttention
