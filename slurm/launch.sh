@@ -20,6 +20,9 @@
 # long before the limit. The trap creates the stop file; the ranks finish their step, save a checkpoint
 # and exit; then this script requeues the job (`#SBATCH --requeue`), which starts again with resume=auto
 # (added to the train arguments unless they set resume) and continues from that checkpoint.
+# A signal to the job step instead (`scancel --signal=TERM|USR1 <job>`, `#SBATCH --signal=USR1@<s>`, the
+# SIGTERM of a time limit or preemption) reaches `python -m mcore_packing launch` (torchrun), which forwards
+# it to the ranks: they save after their step and exit 0 the same way (app/stop_request.py).
 set -euo pipefail
 
 root="${MCORE_PACKING_ROOT:-${SLURM_SUBMIT_DIR:-$(pwd)}}"
@@ -76,13 +79,13 @@ echo "[launch] job=${SLURM_JOB_ID:-none} restart=${SLURM_RESTART_COUNT:-0} nodes
 cd "$root"
 # In the background: bash runs a trap only between commands, and `wait` returns when one arrives.
 srun --ntasks-per-node=1 --kill-on-bad-exit=1 "${container_flags[@]}" \
-  "$python" -m torch.distributed.run \
+  "$python" -m mcore_packing launch \
     --nnodes="$nnodes" \
     --nproc_per_node="$gpus_per_node" \
     --rdzv_backend=c10d \
     --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \
     --rdzv_id="${SLURM_JOB_ID:-local}" \
-    -m mcore_packing "$command" "${args[@]}" &
+    "$command" "${args[@]}" &
 srun_pid=$!
 status=0
 while true; do

@@ -70,7 +70,34 @@ CASES = {
         "holds no complete checkpoint. Use resume=auto",
     ),
     "unknown recipe": (["train", "--dry-run", "--recipe", "nope"], "Unknown recipe 'nope'. Available:"),
-    "unknown command": (["nope"], "unknown command 'nope'; use one of: train, plan, prepare, export, grpo."),
+    "unknown command": (["nope"], "unknown command 'nope'; use one of: train, plan, prepare, export, grpo, launch."),
+    # the run folder, the batch on the layout, SFT samples, signals, new keys
+    "batch below the data-parallel size": (
+        ["train", "--dry-run", "cluster.gpus_per_node=2", "training.global_batch_size=1"],
+        "training.global_batch_size=1 is below the 2 data-parallel ranks",
+    ),
+    "conversation without an assistant turn": (
+        ["train", "--dry-run", "data=jsonl", "data.path={no_assistant}", "data.text_field=messages"],
+        "no_assistant.jsonl:2 has no learned token (a conversation without an assistant turn",
+    ),
+    "message content a number": (
+        ["train", "--dry-run", "data=jsonl", "data.path={number_content}", "data.text_field=messages"],
+        "number_content.jsonl:1: message 1 has content 4 (int); content must be a string or a list of text parts",
+    ),
+    "samples_without_targets unknown": (
+        ["train", "--dry-run", "data.samples_without_targets=keep"],
+        "data.samples_without_targets must be one of error, drop; got 'keep'",
+    ),
+    "run_dir is a file": (["train", "--dry-run", "run_dir={afile}"], "a_file is a file; a run writes a folder there"),
+    "run_dir of another run": (["train", "--dry-run", "run_dir={another}"], "holds another run"),
+    "overwrite with resume=true": (
+        ["train", "--dry-run", "run_dir={another}", "overwrite=true", "resume=true"],
+        "overwrite=true starts afresh and moves the old run aside; resume=true continues it",
+    ),
+    "a stop signal no process can catch": (
+        ["train", "--dry-run", "training.stop_signals=[SIGTERM,SIGKILL]"],
+        "training.stop_signals: 'SIGKILL' is not a signal a process can catch",
+    ),
     # GRPO rollouts
     "a group of one response": (
         ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={single}", "grpo.num_prompts_per_step=1"],
@@ -102,6 +129,14 @@ FIXED = {  # the control: the same command with the input fixed passes
     "more prompts per step than groups": ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}",
                                           "grpo.num_prompts_per_step=2"],
     "plan tp that does not divide the cluster": ["plan", "--tp", "2", "--dp", "1", "--steps", "1", "--no-recommend"],
+    "batch below the data-parallel size": ["train", "--dry-run", "cluster.gpus_per_node=2",
+                                           "training.global_batch_size=2"],
+    "conversation without an assistant turn": ["train", "--dry-run", "data=jsonl", "data.path={no_assistant}",
+                                               "data.text_field=messages", "data.samples_without_targets=drop",
+                                               "training.global_batch_size=1"],
+    "message content a number": ["train", "--dry-run", "data=jsonl", "data.path={text_parts}",
+                                 "data.text_field=messages", "training.global_batch_size=1"],
+    "run_dir of another run": ["train", "--dry-run", "run_dir={another}", "overwrite=true"],
 }
 # fmt: on
 
@@ -122,7 +157,25 @@ def files(tmp_path):
         "hf_no_tokenizer": str(hf),
         "single": _rollouts(tmp_path / "single.jsonl", {"a": 2, "b": 1}),
         "rollouts": _rollouts(tmp_path / "rollouts.jsonl", {"a": 2, "b": 2}),
+        "no_assistant": _write(tmp_path / "no_assistant.jsonl",
+                               _chat("2+2?", "4") + _chat("hello?") + _chat("3+3?", "6")),
+        "number_content": _write(tmp_path / "number_content.jsonl", _chat("2+2?", 4)),
+        "text_parts": _write(tmp_path / "text_parts.jsonl", _chat("2+2?", [{"type": "text", "text": "4"}])),
+        "afile": _write(tmp_path / "a_file", "not a folder"),
+        "another": str(_another_run(tmp_path / "another")),
     }
+
+
+def _chat(question: str, answer=None) -> str:
+    messages = [{"role": "user", "content": question}]
+    messages += [] if answer is None else [{"role": "assistant", "content": answer}]
+    return json.dumps({"messages": messages}) + "\n"
+
+
+def _another_run(folder):
+    (folder / "checkpoints" / "step_000003").mkdir(parents=True)
+    (folder / "run.json").write_text(json.dumps({"job": "elsewhere-1-2.00", "started": "2026-12-01T00:00:00"}))
+    return folder
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -139,3 +192,34 @@ def test_a_bad_input_exits_2_naming_value_and_fix(name, files, capsys, monkeypat
     if name in FIXED:
         code = cli([a.format(**files) for a in FIXED[name]])
         assert code == 0, capsys.readouterr().err
+
+
+TRAIN_CASES = [name for name, (argv, _) in CASES.items() if argv[:2] == ["train", "--dry-run"]]
+
+
+@pytest.mark.parametrize("name", TRAIN_CASES)
+def test_the_same_bad_input_to_train_is_refused_before_the_model_and_writes_nothing(name, files, capsys,
+                                                                                   monkeypatch, tmp_path):  # fmt: skip
+    """Not only --dry-run: ``train`` itself refuses each, with exit 2, before Megatron's model is built
+    (`setup_training` must not be reached) and before anything is written into ``run_dir``."""
+    from mcore_packing.app import trainer
+
+    def no_model(*args, **kwargs):
+        raise AssertionError(f"{name}: the model was built before the refusal")
+
+    monkeypatch.setattr(trainer, "setup_training", no_model)
+    monkeypatch.chdir(tmp_path)
+    argv, fragment = CASES[name]
+    argv = [a.format(**files) for a in argv if a != "--dry-run"]
+    if "cluster.gpus_per_node=2" in argv:  # train takes its world size from the launcher
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setenv("RANK", "0")
+    if not any(a.startswith("run_dir=") for a in argv):
+        argv.append(f"run_dir={tmp_path}/run")
+    run_dir = tmp_path / next(a for a in argv if a.startswith("run_dir=")).split("=", 1)[1]
+    before = sorted(p for p in run_dir.rglob("*")) if run_dir.is_dir() else None
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "Traceback" not in err, err
+    assert (sorted(run_dir.rglob("*")) if run_dir.is_dir() else None) == before  # nothing written
+    assert not (tmp_path / "outputs").exists()

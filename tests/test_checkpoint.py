@@ -272,9 +272,9 @@ def test_a_truncated_checkpoint_is_skipped_by_name_then_refused_alone(saved_run,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"skipping checkpoint {newest}: {shard} has {size // 2} bytes, the manifest says {size}" in proc.stderr
     assert "resumed from" in proc.stdout and "step_000003 at step 3" in proc.stdout
-    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 4, 5]
+    assert [r["step"] for r in metrics(run)] == [1, 2, 3, 4, 5]  # the first step 4 moved to the superseded file
     original = {r["step"]: r["loss"] for r in metrics(saved_run)}
-    assert _rel(metrics(run)[4]["loss"], original[4]) <= 1e-6  # step 4 again, from step 3: the same loss
+    assert _rel(metrics(run)[3]["loss"], original[4]) <= 1e-6  # step 4 again, from step 3: the same loss
     # Alone, the truncated checkpoint is refused (before any Megatron work) and named.
     alone = tmp_path / "alone"
     (alone / "checkpoints").mkdir(parents=True)
@@ -321,9 +321,12 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable(tmp_path):
     assert (folder / "latest").read_text() == "step_000001"
     resumed = train(run, "training.steps=3", "training.save_interval=1", "optimizer.lr_decay_iters=3", "resume=true")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert ".step_000002.partial: a save that did not finish" in resumed.stderr  # named on resume
+    assert "Resuming from step_000001" in resumed.stderr
     rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 2, 3]  # the killed run logged step 2 before its save
-    assert _rel(rows[2]["loss"], rows[1]["loss"]) <= 1e-6
+    assert [r["step"] for r in rows] == [1, 2, 3]  # step 2 of the killed run (logged before its save) set aside
+    (superseded,) = [json.loads(line) for line in (run / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert superseded["step"] == 2 and _rel(rows[1]["loss"], superseded["loss"]) <= 1e-6
     assert not (folder / ".step_000002.partial").exists() and (folder / "latest").read_text() == "step_000003"
 
 
@@ -336,33 +339,37 @@ def _fake_setup(**shape_changes):
 
 
 def test_a_checkpoint_of_another_model_or_data_set_is_refused_naming_the_difference(tmp_path):
-    from mcore_packing.app.checkpoint import Checkpointer
+    from mcore_packing.app.checkpoint import FORMAT_VERSION, MANIFEST, check_compatible
     from mcore_packing.app.config import ConfigError, TrainConfig
     from mcore_packing.app.global_batches import GlobalBatchSampler
-    from mcore_packing.planning import ParallelLayout
 
     cfg = TrainConfig(run_dir=str(tmp_path))
-    checkpointer = Checkpointer(cfg, rank=0, layout=ParallelLayout(), fingerprint="abc")
     sampler = GlobalBatchSampler(48, 8, 1234)
     manifest = {
+        "format_version": FORMAT_VERSION,
+        "files": {},
         "model_shape": _fake_setup().shape.to_dict(),
         "data_fingerprint": "abc",
         "sampler": sampler.state_dict(),
         "distributed_optimizer": False,
     }
-    checkpointer.check_compatible(manifest, tmp_path, _fake_setup(), sampler)  # control: the same run passes
+
+    def check(saved: dict, shape=None, fingerprint="abc", units=48):
+        (tmp_path / MANIFEST).write_text(json.dumps(saved))
+        check_compatible(tmp_path, cfg, shape or _fake_setup().shape, fingerprint, units)
+
+    check(manifest)  # control: the same run passes
     with pytest.raises(ConfigError, match=r"model\.hidden_size: checkpoint 64, this run 128"):
-        checkpointer.check_compatible(manifest, tmp_path, _fake_setup(hidden_size=128), sampler)
+        check(manifest, _fake_setup(hidden_size=128).shape)
     with pytest.raises(ConfigError, match=r"another data set .* 48 vs 40 samples"):
-        other = Checkpointer(cfg, rank=0, layout=ParallelLayout(), fingerprint="def")
-        other.check_compatible(manifest, tmp_path, _fake_setup(), GlobalBatchSampler(40, 8, 1234))
+        check(manifest, fingerprint="def", units=40)
     with pytest.raises(ConfigError, match=r"optimizer\.use_distributed_optimizer: checkpoint True"):
-        checkpointer.check_compatible({**manifest, "distributed_optimizer": True}, tmp_path, _fake_setup(), sampler)
+        check({**manifest, "distributed_optimizer": True})
     moe = {"num_experts": 4, "gated_mlp": True, "linear_bias": False}
     moe_manifest = {**manifest, "model_shape": _fake_setup(**moe).shape.to_dict()}
     with pytest.raises(ConfigError, match=r"experts with the other parameters \(written by an earlier version"):
-        checkpointer.check_compatible(moe_manifest, tmp_path, _fake_setup(**moe), sampler)  # EP1, before the split
-    checkpointer.check_compatible({**moe_manifest, "expert_optimizer": "own"}, tmp_path, _fake_setup(**moe), sampler)
+        check(moe_manifest, _fake_setup(**moe).shape)  # EP1, before the split
+    check({**moe_manifest, "expert_optimizer": "own"}, _fake_setup(**moe).shape)
 
 
 def test_nothing_in_the_package_unpickles_checkpoint_files():

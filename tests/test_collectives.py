@@ -151,7 +151,7 @@ def test_the_steps_call_sites_hand_nccl_device_tensors(nccl):
     _run(_step_loss, [{"weighted_loss": torch.ones(1)}], Groups(), torch.device("cpu"))
     _run(_broadcast_from_last_stage, torch.zeros(2, 3), Groups())  # compute_logprobs' result
     _run(sum_over_ranks, [1.0, 2.0])  # the RL metrics
-    _run(StopRequest("/nonexistent/stop").requested)
+    _run(StopRequest(path="/nonexistent/stop").requested, world_size=2, rank=0)
     assert len(nccl) == 6 and all(devices == {"meta"} for _, devices in nccl), nccl
 
 

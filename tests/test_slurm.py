@@ -132,7 +132,7 @@ def test_a_signalled_job_saves_requeues_and_matches_an_uninterrupted_run(slurm_e
     assert "restart=1" in text and "resumed from" in text and text.count("final loss") == 2, text[-4000:]
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 9))  # stopped after a step, saved it, nothing repeated
-    stopped_at = int(text.split("saved step ")[1].split()[0])
+    stopped_at = int(text.split("exists after step ")[1].split()[0])  # "stopped by <stop file> exists after step N"
     assert 2 <= stopped_at < 8
     straight = subprocess.run(
         [sys.executable, "-m", "mcore_packing", "train", *overrides, f"run_dir={tmp_path / 'straight'}"],
@@ -142,6 +142,33 @@ def test_a_signalled_job_saves_requeues_and_matches_an_uninterrupted_run(slurm_e
     expected = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     for got, want in zip(rows, expected, strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])
+
+
+def test_a_signal_to_the_job_step_saves_and_ends_the_job_with_exit_0(slurm_env, tmp_path):
+    """``scancel --signal=USR1 <job>`` (what ``--signal=USR1@<s>`` without ``B:`` sends: the job step, not the
+    batch shell) reaches ``python -m mcore_packing launch`` on the node, which forwards it to the ranks:
+    they save after their step and exit 0, so the job ends COMPLETED (``sbatch --wait`` returns 0) and is
+    not requeued (no stop file: the batch shell was not asked)."""
+    import time
+
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    submitted = subprocess.Popen(
+        ["sbatch", "--wait", "--parsable", "--gpus-per-node=1", f"--output={log}", f"--chdir={ROOT}",
+         "slurm/train_single_node.sbatch", *TINY, "training.steps=60", f"run_dir={run}"],
+        cwd=ROOT, env={**slurm_env, "GPUS_PER_NODE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job = submitted.stdout.readline().strip().split(";")[0]
+    metrics_file, deadline = run / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and submitted.poll() is None, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
+    assert submitted.wait(timeout=300) == 0, submitted.stderr.read() + log.read_text()[-4000:]
+    text = log.read_text()
+    stopped = next(line for line in text.splitlines() if line.startswith("stopped by SIGUSR1 after step "))
+    step = int(stopped.split("after step ")[1].split()[0])
+    assert step < 60 and (run / "checkpoints" / "latest").read_text() == f"step_{step:06d}", text[-4000:]
+    assert "requeueing" not in text and "Traceback" not in text, text[-4000:]
 
 
 def test_a_failing_job_fails_sbatch_wait(slurm_env, tmp_path):

@@ -84,7 +84,7 @@ def test_each_mode_trains_and_loss_decreases(tmp_path, mode_overrides, mode):
         assert all(r["predicted_step_time_s"] > 0 for r in rows[4:])
     else:
         assert all(r["useful_tokens"] <= r["padded_tokens"] for r in rows)
-    assert (tmp_path / "run" / ".hydra" / "config.yaml").exists()
+    assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "run.json").exists()
 
 
 @pytest.mark.slow
@@ -123,7 +123,7 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["resume=true"], 1, "holds no complete checkpoint"),
         (["resume=maybe"], 1, "resume must be one of False, True, auto"),
         (["optimizer.min_lr=1.0"], 1, "optimizer.min_lr=1.0 is above optimizer.lr=0.01"),
-        (["optimizer.lr=0"], 1, "optimizer.lr=0.0 must be a number > 0.0"),
+        (["optimizer.lr=-0.1"], 1, "optimizer.lr=-0.1 must be a number >= 0.0"),
         (["optimizer.optimizer=lion"], 1, "optimizer.optimizer must be one of adam, sgd"),
         (
             ["optimizer.lr_warmup_iters=30", "optimizer.lr_decay_iters=20"],
@@ -186,6 +186,15 @@ def test_valid_config_passes_the_same_checks(tmp_path):
     assert inputs.layout.dp == 2 and inputs.step_config.mode == "packing" and 8 <= len(inputs.lengths) <= 48
 
 
+def test_a_zero_learning_rate_is_allowed_with_a_warning(tmp_path):
+    """lr=0 checks a conversion round trip or a loss on the starting weights: accepted, said once."""
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    with pytest.warns(UserWarning, match=r"optimizer.lr=0: no step changes the weights"):
+        prepare_run(compose_config(None, [*SMALL, f"run_dir={tmp_path}", "optimizer.lr=0"]), 1)
+
+
 def test_a_config_error_exits_2_from_the_command_line(tmp_path):
     """One subprocess for the exit-code path: the message on stderr, code 2, no traceback."""
     proc = train(tmp_path / "run", "sequence_packing.train_mb_tokens=100", timeout=120)
@@ -215,7 +224,7 @@ def test_torchrun_two_ranks(tmp_path, parallel):
     assert [r["step"] for r in rows] == [1, 2, 3]  # one writer: rank 0
     assert rows[-1]["loss"] < rows[0]["loss"]
     log = (tmp_path / "run" / "train.log").read_text()
-    assert log.count("step 3/3") == 1  # ranks other than 0 write no Hydra log
+    assert log.count("step 3/3") == 1  # only rank 0 writes the log file
 
 
 @pytest.fixture(scope="module")
@@ -371,7 +380,8 @@ def test_extending_a_finished_run_refuses_or_rebuilds_the_schedule_never_lr_0(tm
     ("messages", "fragment"),
     [
         ([{"role": "human", "content": "2+2?"}, {"role": "gpt", "content": "4"}], "uses role(s) ['gpt', 'human']"),
-        ([{"role": "user", "content": "2+2?"}], "No token of the data set is learned"),
+        ([{"role": "user", "content": "2+2?"}], "16 records are bad (the first 10 shown):\n  "),
+        ([{"role": "user", "content": "2+2?"}], "chat.jsonl:10 has no learned token (a conversation without an"),
     ],
 )
 def test_chat_data_that_would_learn_nothing_is_refused_before_megatron(tmp_path, messages, fragment):

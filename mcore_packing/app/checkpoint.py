@@ -40,6 +40,7 @@ from .model_setup import TrainingSetup
 __all__ = [
     "MANIFEST",
     "Checkpointer",
+    "check_compatible",
     "checkpoint_folder",
     "data_fingerprint",
     "find_checkpoint",
@@ -127,6 +128,13 @@ def resume_folder(cfg: TrainConfig) -> Path | None:
         return None
     folder = checkpoint_folder(cfg)
     found = find_checkpoint(folder)
+    partial = sorted(p.name for p in folder.glob(f".{_STEP_PREFIX}*.partial")) if folder.is_dir() else []
+    if partial:
+        warnings.warn(
+            f"{folder} holds {', '.join(partial)}: a save that did not finish (the job was killed while writing "
+            f"it). {'Resuming from ' + found.name if found else 'No complete checkpoint precedes it'}; the next save "
+            "removes the partial folder.", stacklevel=2,
+        )  # fmt: skip
     if found is None and cfg.resume is True:
         raise ConfigError(
             f"resume=true but {folder} holds no complete checkpoint. Use resume=auto to start fresh when there "
@@ -172,6 +180,43 @@ def check_schedule(folder: Path, cfg: TrainConfig) -> list[str]:
             f"{step}), or give this run the checkpoint's settings."
         )
     return differences
+
+
+def check_compatible(folder: Path, cfg: TrainConfig, shape: ModelShape, fingerprint: str, num_units: int) -> None:
+    """Before Megatron: refuse a checkpoint of another model, data set, seed or optimizer kind, naming
+    what differs (``num_units``: what the run's sampler draws from)."""
+    manifest = read_manifest(folder)
+    saved = ModelShape(**manifest["model_shape"]).to_dict()  # JSON lists back to the shape's tuples
+    differences = [
+        f"model.{key}: checkpoint {value!r}, this run {getattr(shape, key)!r}"
+        for key, value in saved.items()
+        if getattr(shape, key) != value
+    ]
+    saved_ep = manifest.get("layout", {}).get("ep", 1)
+    if shape.is_moe and saved_ep == 1 and manifest.get("expert_optimizer") != "own":
+        differences.append(
+            "the checkpoint's MoE optimizer state keeps the experts with the other parameters (written by an "
+            "earlier version at parallel.ep=1); this version gives experts an optimizer of their own at "
+            "every parallel.ep. Export the checkpoint (python -m mcore_packing export) and start from the "
+            "Hugging Face folder"
+        )
+    if manifest["data_fingerprint"] != fingerprint:
+        differences.append(
+            f"data: the checkpoint was trained on another data set (fingerprint {manifest['data_fingerprint']}, "
+            f"this run's {fingerprint}; {manifest['sampler']['num_samples']} vs {num_units} samples)"
+        )
+    if manifest["sampler"]["seed"] != cfg.training.seed:
+        differences.append(f"training.seed: checkpoint {manifest['sampler']['seed']}, this run {cfg.training.seed}")
+    if manifest["distributed_optimizer"] != cfg.optimizer.use_distributed_optimizer:
+        differences.append(
+            f"optimizer.use_distributed_optimizer: checkpoint {manifest['distributed_optimizer']}, this run "
+            f"{cfg.optimizer.use_distributed_optimizer} (its optimizer state is stored differently)"
+        )
+    if differences:
+        raise ConfigError(
+            f"cannot resume from {folder}: " + "; ".join(differences) + ". Use the same settings, or a new "
+            "run_dir to start afresh."
+        )
 
 
 def _fsync_dir(path: Path) -> None:
@@ -265,47 +310,12 @@ class Checkpointer:
         for old in complete[: -self.keep_last]:
             shutil.rmtree(old, ignore_errors=True)
 
-    def check_compatible(self, manifest: dict, folder: Path, setup: TrainingSetup, sampler: GlobalBatchSampler):
-        """Refuse a checkpoint of another model, data set, seed or optimizer kind, naming what differs."""
-        saved = ModelShape(**manifest["model_shape"]).to_dict()  # JSON lists back to the shape's tuples
-        differences = [
-            f"model.{key}: checkpoint {value!r}, this run {getattr(setup.shape, key)!r}"
-            for key, value in saved.items()
-            if getattr(setup.shape, key) != value
-        ]
-        saved_ep = manifest.get("layout", {}).get("ep", 1)
-        if setup.shape.is_moe and saved_ep == 1 and manifest.get("expert_optimizer") != "own":
-            differences.append(
-                "the checkpoint's MoE optimizer state keeps the experts with the other parameters (written by an "
-                "earlier version at parallel.ep=1); this version gives experts an optimizer of their own at "
-                "every parallel.ep. Export the checkpoint (python -m mcore_packing export) and start from the "
-                "Hugging Face folder"
-            )
-        if manifest["data_fingerprint"] != self.fingerprint:
-            differences.append(
-                f"data: the checkpoint was trained on another data set (fingerprint {manifest['data_fingerprint']}, "
-                f"this run's {self.fingerprint}; {manifest['sampler']['num_samples']} vs {sampler.num_samples} samples)"
-            )
-        if manifest["sampler"]["seed"] != sampler.seed:
-            differences.append(f"training.seed: checkpoint {manifest['sampler']['seed']}, this run {sampler.seed}")
-        if manifest["distributed_optimizer"] != self.cfg.optimizer.use_distributed_optimizer:
-            differences.append(
-                f"optimizer.use_distributed_optimizer: checkpoint {manifest['distributed_optimizer']}, this run "
-                f"{self.cfg.optimizer.use_distributed_optimizer} (its optimizer state is stored differently)"
-            )
-        if differences:
-            raise ConfigError(
-                f"cannot resume from {folder}: " + "; ".join(differences) + ". Use the same settings, or a new "
-                "training.checkpoint_dir to start afresh."
-            )
-
     def load(self, folder: Path, setup: TrainingSetup, sampler: GlobalBatchSampler) -> int:
         """Collective: restore model, optimizer, schedule, sampler (and RNG on the same layout); returns the
         checkpoint's step."""
         from ..megatron.dist_checkpoint import load_training_state
 
-        manifest = read_manifest(folder)
-        self.check_compatible(manifest, folder, setup, sampler)
+        manifest = read_manifest(folder)  # compatible: checked by check_compatible before Megatron started
         same_layout = manifest["layout"] == self.layout
         load_training_state(folder, setup.policy.model, setup.policy.optimizer, restore_rng=same_layout)
         scheduler = setup.policy.scheduler

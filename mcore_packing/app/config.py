@@ -17,11 +17,10 @@ word, so `check_unknown_keys` rejects keys that no dataclass declares.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..data.sft import LONG_SAMPLE_POLICIES
+from ..data.sft import LONG_SAMPLE_POLICIES, SFT_SOURCES, WITHOUT_TARGETS
 from ..losses import ClippedPGConfig
 from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig, fp8_row_alignment
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
@@ -30,6 +29,8 @@ from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import DPOConfig, GRPOConfig
 from ..validators import InvalidValue, require_choice, require_positive_int
 from .algorithms import ALGORITHMS
+from .run_names import default_run_dir
+from .stop_request import DEFAULT_STOP_SIGNALS, check_stop_signals
 
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root")  # Megatron's OptimizerParamScheduler
 OPTIMIZERS = ("adam", "sgd")
@@ -146,20 +147,23 @@ ModelConfig = _model_config_class()
 
 @dataclass
 class DataConfig:
-    source: str = "champ"  # champ (bundled CHAMP conversations) | jsonl
+    # champ: the bundled demo, 512 CHAMP conversations evenly spaced over its 19,440 | champ_full: all | jsonl
+    source: str = "champ"
     path: str | None = None  # JSONL file for source=jsonl
     text_field: str = "text"  # JSONL field holding the text
     encoding: str = "qwen3"  # quicktok bundled vocabulary
     vocab_size: int = 4096  # compact vocabulary: most frequent tokens + <unk>
-    num_samples: int | None = 512  # use the first N samples (None: all)
+    num_samples: int | None = None  # N evenly spaced samples of the source; null (the default): every one
     long_samples: str | None = None  # drop | truncate | split | error; null: drop conversations, split text
     max_sample_tokens: int = 2048
-    learn_prompt: bool = False  # CHAMP: also learn System/User turns
+    learn_prompt: bool = False  # also learn the system and user turns
+    samples_without_targets: str = "error"  # a sample with no learned token: error (naming file:line) | drop
     prepared: str | None = None  # a store written by `python -m mcore_packing prepare`: no tokenizing at start
 
     def __post_init__(self):
-        _choice("data", self, "source", ("champ", "jsonl"))
+        _choice("data", self, "source", SFT_SOURCES)
         _choice("data", self, "long_samples", (None, *LONG_SAMPLE_POLICIES))
+        _choice("data", self, "samples_without_targets", WITHOUT_TARGETS)
         _positive("data", self, "vocab_size", "max_sample_tokens")
         _positive("data", self, "num_samples", allow_none=True)
         if self.source == "jsonl" and not self.path:
@@ -276,8 +280,7 @@ class OptimizerConfig:
     def __post_init__(self):
         _choice("optimizer", self, "optimizer", OPTIMIZERS)
         _choice("optimizer", self, "lr_decay_style", LR_DECAY_STYLES)
-        _number("optimizer", self, "lr", low=0.0, open_low=True)
-        for name in ("min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "sgd_momentum"):
+        for name in ("lr", "min_lr", "weight_decay", "clip_grad", "lr_warmup_init", "sgd_momentum"):
             _number("optimizer", self, name, low=0.0)
         for name in ("adam_beta1", "adam_beta2"):
             _number("optimizer", self, name, low=0.0, high=1.0)
@@ -327,9 +330,15 @@ class TrainingConfig:
     keep_last: int | None = 3  # complete checkpoints to keep (older ones are deleted); null: keep all
     checkpoint_dir: str | None = None  # default: <run_dir>/checkpoints
     export_dir: str | None = None  # after the last step, write a Hugging Face folder here (needs model.family)
+    # signals that save a checkpoint after the current step and exit 0 (a second one exits at once); []: none
+    stop_signals: list[str] = field(default_factory=lambda: list(DEFAULT_STOP_SIGNALS))
 
     def __post_init__(self):
         _positive("training", self, "global_batch_size", "steps", "padded_micro_batch_rows")
+        try:
+            check_stop_signals(self.stop_signals)
+        except ValueError as exc:
+            raise ConfigError(f"training.{exc}", key="training.stop_signals") from None
         _positive("training", self, "keep_last", allow_none=True)
         _choice("training", self, "loss_normalization", ("token_mean", "sequence_mean"))
         _choice("training", self, "balance", BALANCES)
@@ -374,8 +383,10 @@ class TrainConfig:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     algorithm: str = "sft"  # sft (NLL on data.*) | grpo (clipped PG on grpo.rollouts) | dpo (on dpo.pairs)
     run_name: str = "sft-tiny"
-    run_dir: str | None = None  # null: outputs/<$SLURM_JOB_ID or local>/<run_name> (the same on every rank)
+    # null: outputs/<run_name>/<job<SLURM_JOB_ID> or launcher start time> (app.run_names; the same on every rank)
+    run_dir: str | None = None
     resume: Any = False  # false | true (the newest complete checkpoint; error if none) | auto (that, or start)
+    overwrite: bool = False  # a fresh run into another run's run_dir moves that run aside (never deletes it)
 
     @property
     def optimizer_steps(self) -> int:
@@ -386,16 +397,14 @@ class TrainConfig:
         return self.training.steps * get_algorithm(self.algorithm).optimizer_steps(self)
 
     def __post_init__(self):
-        if self.run_dir is None:
-            self.run_dir = default_run_dir(self.run_name)
         require_choice("resume", self.resume, RESUME_CHOICES, error=ConfigError)
+        require_choice("overwrite", self.overwrite, (False, True), error=ConfigError)
+        if self.run_dir is None:
+            try:
+                self.run_dir = default_run_dir(self.run_name, self.resume)
+            except ValueError as exc:
+                raise ConfigError(str(exc), key="run_dir") from None
         require_choice("algorithm", self.algorithm, ALGORITHMS, error=ConfigError)
-
-
-def default_run_dir(run_name: str) -> str:
-    """``outputs/<job>/<run_name>``: one folder per Slurm job (``local`` outside Slurm), the same on every
-    rank. Hydra's run folder (``hydra.run.dir`` in config.yaml) is this same path."""
-    return f"outputs/{os.environ.get('SLURM_JOB_ID', 'local')}/{run_name}"
 
 
 GROUPS = {

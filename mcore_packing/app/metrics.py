@@ -52,7 +52,7 @@ _TENSORBOARD_KEYS = (
 class MetricsLogger:
     """Per-step metrics of one run (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int):
+    def __init__(self, cfg: TrainConfig, rank: int, *, start_step: int = 0):
         self.enabled = rank == 0
         self.total_steps = cfg.training.steps
         self.log_interval = cfg.logging.log_interval
@@ -60,6 +60,8 @@ class MetricsLogger:
         self.history: list[tuple[list[int], float, int]] = []  # (slowest rank's lengths, seconds, micro-batches)
         self.writer = _tensorboard(Path(cfg.run_dir)) if cfg.logging.tensorboard and self.enabled else None
         self.progress = _Progress(self.total_steps, cfg.logging.progress_bar and self.enabled)
+        if self.enabled:
+            _set_aside_rows_after(self.path, start_step)
 
     def log_step(self, step: int, plan: StepPlan, outcome, batch_ids: list[int], extra: dict | None = None) -> dict:
         """Build the step's record (on every rank; ``extra``: the algorithm's own metrics) and write it
@@ -107,6 +109,27 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def _set_aside_rows_after(path: Path, step: int) -> None:
+    """A run that continues at ``step`` (a resume, or a requeued job that had not saved) runs the steps
+    after it again: their earlier records move to ``<name>.superseded.jsonl`` (kept, never deleted), so
+    the metrics file has each step once."""
+    if not path.is_file():
+        return
+    keep, later = [], []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            (later if json.loads(line)["step"] > step else keep).append(line)
+    if not later:
+        return
+    with path.with_name(f"{path.stem}.superseded.jsonl").open("a") as f:
+        f.write("\n".join(later) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+    log.info("%s: %d records of steps after %d moved to %s (those steps run again)", path, len(later), step,
+             path.with_name(f"{path.stem}.superseded.jsonl").name)
 
 
 def _console_text(r: dict) -> str:

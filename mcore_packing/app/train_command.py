@@ -11,10 +11,16 @@
 
 Arguments other than the flags below are Hydra overrides (``parallel.tp=2``, ``data=jsonl``; ``+key=..``
 is rejected when nothing reads it). Without ``--recipe`` the config comes from ``hydra_configs/`` (package
-data: ``mcore_packing.hydra_configs``, so an installed wheel has it) through
-``hydra.main`` (Hydra's run folder and logs, rank 0 only); with ``--recipe`` from the recipe function,
-with the same override grammar. ``--dry-run`` validates for the config's cluster size and prints the plan
-of the first global batch without torch or a GPU. Config errors exit with code 2.
+data: ``mcore_packing.hydra_configs``, so an installed wheel has it), with ``--recipe`` from the recipe
+function; both through Hydra's compose API with the same override grammar. ``--dry-run`` validates for the
+config's cluster size and prints the plan of the first global batch without torch or a GPU.
+
+The run folder (``run_dir``; unset: ``outputs/<run_name>/<stamp>``, ``latest`` pointing at the newest) is
+written only after every check has passed: ``run.json`` (the run's identity), ``config.yaml`` (the
+resolved config), ``train.log``, ``metrics.jsonl`` and ``checkpoints/``. A fresh run into another run's
+folder is refused (``resume=true``, another ``run_dir``, or ``overwrite=true`` moves the old one aside).
+SIGTERM, SIGINT and SIGUSR1 (``training.stop_signals``) save a checkpoint after the current step and exit 0;
+a second one exits at once. Config and data errors exit with code 2 before the model is built.
 """
 
 from __future__ import annotations
@@ -94,10 +100,6 @@ def main(argv: list[str] | None = None) -> int:
 
     args, overrides = _parse(sys.argv[1:] if argv is None else argv)
     quiet_megatron_on_cpu()
-    if args.recipe is None and not args.dry_run:
-        # the overrides are checked by composing once (exit 2 like every config error), then Hydra runs
-        code = exit_2_on_config_error(lambda: (_check_flags(args), compose_config(None, overrides)))
-        return code or _hydra_main(overrides)
     return exit_2_on_config_error(lambda: (_check_flags(args), _run(args, overrides)))
 
 
@@ -133,30 +135,6 @@ def _run(args: argparse.Namespace, overrides: list[str]) -> None:
         return
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     _report(train(cfg))
-
-
-def _hydra_main(overrides: list[str]) -> int:
-    """Train through ``hydra.main`` (Hydra's run folder, config snapshot and log file on rank 0)."""
-    import hydra
-    from omegaconf import DictConfig
-
-    from .trainer import quiet_megatron_on_cpu, train
-
-    register_configs()
-    if os.environ.get("RANK", "0") != "0":  # only rank 0 writes Hydra's run folder and logs
-        overrides = [*overrides, "hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
-
-    @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base="1.3")
-    def _main(raw: DictConfig) -> None:
-        quiet_megatron_on_cpu()  # Hydra's job logging was just configured
-        code = exit_2_on_config_error(lambda: _report(train(to_train_config(raw))))
-        if code:
-            sys.exit(code)
-
-    sys.argv = [sys.argv[0], *overrides]
-    _main()
-    return 0
 
 
 def _report(summary: dict) -> None:

@@ -6,13 +6,15 @@
     data      = algorithm.load_data(cfg)                 samples + the units a step draws (`RunData`)
     setup     = model_setup.setup_training(cfg, shape)   distributed, policy, Megatron optimizer + LR schedule
     resume    = checkpoint.resume_folder(cfg)            newest complete checkpoint (resume=true|auto)
+    folder    = run_folder.RunFolder(cfg, ...)           the run folder is this run's (checked, then claimed)
     each step: sampler.next_batch -> algorithm step -> metrics.log_step -> checkpointer
-    stop      = stop_request.StopRequest                 a cluster's "save and exit" (Slurm --signal)
+    stop      = stop_request.StopRequest                 SIGTERM/SIGINT/SIGUSR1 or the stop file: save, exit 0
 
 Every rank loads the same samples, draws the same global batch of units from a seeded sampler (samples
 for SFT, groups of responses for GRPO, pairs for DPO), plans it identically (no communication) and runs
-only its share. `dry_run` does everything up to the plan of the first global batch, without torch or
-Megatron.
+only its share. Every check that needs only the config and the data (`prepare_run`, the plan of the first
+global batch included) runs before the run folder is written and before Megatron starts; `dry_run` does
+exactly these, without torch.
 """
 
 from __future__ import annotations
@@ -28,7 +30,15 @@ from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
 from ..planning.hf_config import check_output_folder, check_safetensors
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from .algorithms import RunData, get_algorithm
-from .checkpoint import Checkpointer, check_schedule, data_fingerprint, resume_folder
+from .checkpoint import (
+    Checkpointer,
+    check_compatible,
+    check_schedule,
+    checkpoint_folder,
+    data_fingerprint,
+    read_manifest,
+    resume_folder,
+)
 from .config import (
     ConfigError,
     ModelConfig,
@@ -41,7 +51,8 @@ from .config import (
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
 from .model_setup import default_device, device_context, setup_training
-from .stop_request import StopRequest
+from .run_folder import RunFolder
+from .stop_request import STOP_REPORT_ENV, StopRequest
 
 __all__ = ["RunInputs", "describe_schedule", "dry_run", "prepare_run", "quiet_megatron_on_cpu", "train"]
 
@@ -61,6 +72,9 @@ class RunInputs:
     shape: ModelShape
     resume: Path | None
     batch_units: int
+    fingerprint: str | None  # the data's (None in a dry run, which does not hash it)
+    first_plan: object  # the plan of the first global batch (every pass of it chained)
+    first_batch: list[int]  # its sample ids
 
 
 def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> RunInputs:
@@ -87,7 +101,13 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
             check_output_folder(cfg.training.export_dir, overwrite=False)
         except FileExistsError as exc:
             raise ConfigError(f"training.export_dir: {exc}".replace("pass --overwrite", "remove it")) from None
+    if cfg.optimizer.lr == 0:
+        warnings.warn("optimizer.lr=0: no step changes the weights (a check of a conversion round trip, or of the "
+                      "loss on the starting weights); set optimizer.lr > 0 to learn.", stacklevel=2)  # fmt: skip
+    folder = RunFolder(cfg, checkpoint_folder(cfg))
+    folder.check_keys()
     resume = resume_folder(cfg)
+    folder.check(resume)
     rebuilt = check_schedule(resume, cfg) if resume else []
     if rebuilt:
         log.warning("the LR schedule is rebuilt for this run (optimizer.override_opt_param_scheduler): %s",
@@ -105,10 +125,37 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     _check_vocab(cfg, data, shape)
     check_data_fits(cfg, step_config, lengths)
     algorithm.check_data(cfg, data, step_config)
+    fingerprint = None if dry_run else data.fingerprint or data_fingerprint(data.samples, data.fingerprint_extra)
+    if resume is not None and fingerprint is not None:
+        check_compatible(resume, cfg, shape, fingerprint, data.num_units)
     batch_units = algorithm.batch_units(cfg)
-    GlobalBatchSampler(data.num_units, batch_units, cfg.training.seed)  # a batch no larger than the data set
+    sampler = GlobalBatchSampler(data.num_units, batch_units, cfg.training.seed)  # a batch no larger than the data
+    first_batch = data.sample_ids(sampler.next_batch())
+    first_plan = _plan_first_batch(cfg, algorithm, data, lengths, step_config, layout, first_batch)
     return RunInputs(layout=layout, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
-                     batch_units=batch_units)  # fmt: skip
+                     batch_units=batch_units, fingerprint=fingerprint, first_plan=first_plan,
+                     first_batch=first_batch)  # fmt: skip
+
+
+def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layout, batch_ids: list[int]):
+    """The plan of the first global batch, as the step will plan it (DPO keeps pairs together, GRPO plans
+    each minibatch): a batch this layout cannot split is a `ConfigError` naming the batch key."""
+    samples = len(batch_ids)
+    if cfg.algorithm == "sft" and samples < layout.dp:
+        raise ConfigError(
+            f"training.global_batch_size={cfg.training.global_batch_size} is below the {layout.dp} data-parallel "
+            f"ranks (world size / (parallel.tp x parallel.pp x parallel.cp)): each needs at least one sample a step. "
+            f"Raise training.global_batch_size to {layout.dp} or more, or run on fewer ranks.",
+            key="training.global_batch_size",
+        )  # fmt: skip
+    passes = algorithm.training_passes(cfg, data, batch_ids)
+    try:
+        plans = [plan_step([lengths[i] for i in ids], step_config, groups=groups) for ids, groups in passes]
+    except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
+        key = algorithm.BATCH_KEY
+        raise ConfigError(f"the first global batch ({samples} samples, set by {key}) cannot be planned on "
+                          f"{layout.dp} data-parallel ranks: {exc}", key=key) from None  # fmt: skip
+    return plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:
@@ -142,7 +189,21 @@ def _check_vocab(cfg: TrainConfig, data: RunData, shape: ModelShape) -> None:
 
 def train(cfg: TrainConfig) -> dict:
     """Run training; returns a summary with the step losses (the same on every rank)."""
-    inputs = prepare_run(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+    inputs = prepare_run(cfg, world_size)  # every config and data check, nothing written yet
+    fingerprint = inputs.fingerprint
+    if rank == 0:
+        from_step = int(read_manifest(inputs.resume)["step"]) if inputs.resume else 0
+        RunFolder(cfg, checkpoint_folder(cfg)).claim(data_fingerprint=fingerprint, resume_from=inputs.resume,
+                                                     from_step=from_step)  # fmt: skip
+    stop = StopRequest(cfg.training.stop_signals).install()  # a signal from here on saves instead of killing
+    try:
+        return _train(cfg, inputs, fingerprint, stop)
+    finally:
+        stop.uninstall()
+
+
+def _train(cfg: TrainConfig, inputs: RunInputs, fingerprint: str, stop: StopRequest) -> dict:
     sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
     summary = {"losses": [], "steps": [], "sample_ids": [], "mode": inputs.step_config.mode, "stopped_at": None}
     with device_context(default_device()):
@@ -150,36 +211,62 @@ def train(cfg: TrainConfig) -> dict:
         quiet_megatron_on_cpu(cpu=setup.policy.device.type == "cpu")
         _announce(cfg, setup, inputs.data, inputs.step_config.mode)
         summary["rank"] = setup.rank
-        fingerprint = inputs.data.fingerprint or data_fingerprint(inputs.data.samples, inputs.data.fingerprint_extra)
         checkpointer = Checkpointer(cfg, setup.rank, inputs.layout, fingerprint)
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
+        _announce_draws(cfg, inputs, start, setup.rank)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
-        metrics, stop = MetricsLogger(cfg, setup.rank), StopRequest()
+        metrics = MetricsLogger(cfg, setup.rank, start_step=start)
         meters = _moe_meters(setup.policy, inputs.shape)
-        for step in range(start + 1, cfg.training.steps + 1):
-            batch_ids = inputs.data.sample_ids(sampler.next_batch())
-            for meter in meters:
-                meter.reset()
-            plan, outcome, extra_metrics = take_step(batch_ids)
-            for meter in meters:  # a collective, on every rank
-                extra_metrics = {**(extra_metrics or {}), **meter.metrics()}
-            metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
-            summary["losses"].append(outcome.result.loss)
-            summary["steps"].append(step)
-            summary["sample_ids"].append(batch_ids)
-            stopping = stop.requested()
-            if checkpointer.due(step, cfg.training.steps) or stopping:
-                checkpointer.save(step, setup, sampler)
-            if stopping:
-                log.info("stop requested (%s): saved step %d and exiting; resume=auto continues", stop.reason, step)
-                summary["stopped_at"] = step
-                break
+        asked = {"world_size": setup.world_size, "rank": setup.rank}
+        step = start
+        if not stop.requested(**asked):
+            for step in range(start + 1, cfg.training.steps + 1):
+                batch_ids = inputs.data.sample_ids(sampler.next_batch())
+                for meter in meters:
+                    meter.reset()
+                plan, outcome, extra_metrics = take_step(batch_ids)
+                for meter in meters:  # a collective, on every rank
+                    extra_metrics = {**(extra_metrics or {}), **meter.metrics()}
+                metrics.log_step(step, plan, outcome, batch_ids, extra=extra_metrics)
+                summary["losses"].append(outcome.result.loss)
+                summary["steps"].append(step)
+                summary["sample_ids"].append(batch_ids)
+                stopping = stop.requested(**asked)
+                if checkpointer.due(step, cfg.training.steps) or stopping:
+                    checkpointer.save(step, setup, sampler)
+                if stopping:
+                    break
         metrics.close()
+        if stop.reason is not None:
+            summary["stopped_at"] = step
+            if setup.rank == 0:
+                saved = checkpointer.latest()
+                where = f"saved {saved}" if step > start else f"no step ran; the last checkpoint is {saved}"
+                line = (f"stopped by {stop.reason} after step {step} of {cfg.training.steps}: {where}; continue with "
+                        f"resume=true run_dir={cfg.run_dir}")  # fmt: skip
+                print(line, flush=True)
+                if os.environ.get(STOP_REPORT_ENV):  # python -m mcore_packing launch exits 0 on it
+                    Path(os.environ[STOP_REPORT_ENV]).write_text(line + "\n")
     if cfg.training.export_dir and summary["stopped_at"] is None:
         _export_at_end(cfg, checkpointer, setup.rank)
     return summary
+
+
+def _announce_draws(cfg: TrainConfig, inputs: RunInputs, start: int, rank: int) -> None:
+    """How many units the run draws from and whether it sees any twice (the sampler walks a fresh
+    permutation of the data set each epoch)."""
+    if rank != 0:
+        return
+    units, per_step = inputs.data.num_units, inputs.batch_units
+    draws = cfg.training.steps * per_step
+    what = {"sft": "samples", "dpo": "pairs", "grpo": "groups"}[cfg.algorithm]
+    epochs = draws / units
+    repeats = (f"each seen {epochs:.2f} times on average (repeats from step {units // per_step + 1})"
+               if draws > units else f"no {what[:-1]} seen twice ({100 * draws / units:.1f}% of the data)")  # fmt: skip
+    log.info("data: %d %s; %s x %d = %d draws: %s", units, what, _count(cfg.training.steps, "step"), per_step, draws,
+             repeats)  # fmt: skip
 
 
 def _moe_meters(policy, shape: ModelShape) -> list:
@@ -218,7 +305,6 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP
 def _announce(cfg: TrainConfig, setup, data: RunData, mode: str) -> None:
     pgs = setup.policy.process_groups
     if setup.rank == 0:
-        Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
         log.info("rank %d/%d on %s; data: %s", setup.rank, setup.world_size, setup.policy.device, json.dumps(data.info))
         log.info("lr schedule: %s", describe_schedule(cfg))
     print(
@@ -265,16 +351,8 @@ def dry_run(cfg: TrainConfig) -> dict:
         return {"world_size": world, "layout": layout.to_dict(), "algorithm": cfg.algorithm,
                 "first_global_batch": None, "note": missing}  # fmt: skip
     inputs = prepare_run(cfg, world, dry_run=True)
-    sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
-    batch_ids = inputs.data.sample_ids(sampler.next_batch())
-    batch = [inputs.lengths[i] for i in batch_ids]
-    passes = get_algorithm(cfg.algorithm).training_passes(cfg, inputs.data, batch_ids)
-    try:  # the training pass: DPO keeps pairs together, GRPO plans each minibatch
-        plans = [plan_step([inputs.lengths[i] for i in ids], inputs.step_config, groups=groups)
-                 for ids, groups in passes]  # fmt: skip
-    except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
-        raise ConfigError(f"the first global batch: {exc}") from None
-    plan = plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)
+    batch = [inputs.lengths[i] for i in inputs.first_batch]
+    plan = inputs.first_plan
     return {
         "world_size": world,
         "layout": inputs.layout.to_dict(),
@@ -300,10 +378,11 @@ def quiet_megatron_on_cpu(*, cpu: bool = False) -> None:
     to change). On a
     CPU (``cpu``) also the advice to set CUDA_DEVICE_MAX_CONNECTIONS, which only a GPU reads (the sbatch
     launcher sets it). Our own warnings, and any other, stay."""
+    from ..compat import quiet_megatron_imports
+
     logging.getLogger("megatron").setLevel(logging.WARNING)
+    quiet_megatron_imports()
     patterns = [
-        ".*Transformer Engine and Apex are not installed.*",
-        ".*Apex is not installed.*",
         ".*full scope is deprecated.*",
         ".*torch.jit.script_method.*",
         ".*torch.distributed.all_gather_into_tensor` is deprecated.*",

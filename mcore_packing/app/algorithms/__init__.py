@@ -6,7 +6,7 @@ Each module (`sft`, `grpo`, `dpo`) has:
     missing_data(cfg) -> str | None       why a dry run cannot plan a first step (None: it can)
     load_data(cfg) -> RunData             the samples, the units a step draws, the vocabulary, a description
     check_data(cfg, data, step_config)    checks that need the data and the planner (before Megatron starts)
-    batch_units(cfg) -> int               units drawn per step
+    batch_units(cfg) -> int               units drawn per step (BATCH_KEY: the config key that sets it)
     optimizer_steps(cfg) -> int           optimizer steps per training step (the LR schedule counts them)
     training_passes(cfg, data, ids)       -> [(sample ids, group ids | None), ...]: the training pass's
                                           `plan_step` calls for a drawn batch (the dry run and `plan` plan these)

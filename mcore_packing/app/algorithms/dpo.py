@@ -72,6 +72,9 @@ def check_data(cfg, data: RunData, step_config) -> None:
         raise ConfigError(f"dpo.pairs: {exc} (a pair shares one micro-batch)") from None
 
 
+BATCH_KEY = "training.global_batch_size"  # the key of batch_units
+
+
 def batch_units(cfg) -> int:
     return cfg.training.global_batch_size
 

@@ -135,6 +135,9 @@ def check_data(cfg, data: RunData, step_config) -> None:
                           "log-prob pass; set it to false to let groups split.)") from None  # fmt: skip
 
 
+BATCH_KEY = "grpo.num_prompts_per_step"  # the key of batch_units
+
+
 def batch_units(cfg) -> int:
     return cfg.grpo.num_prompts_per_step  # at most the groups in the file: checked by load_data
 

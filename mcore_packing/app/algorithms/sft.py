@@ -66,6 +66,9 @@ def check_data(cfg, data: RunData, step_config) -> None:
     """Nothing beyond the budget check every algorithm gets."""
 
 
+BATCH_KEY = "training.global_batch_size"  # the key of batch_units
+
+
 def batch_units(cfg) -> int:
     return cfg.training.global_batch_size
 
