@@ -5,6 +5,7 @@ runs differ, a resume finds its run, and a continued run's metrics hold each ste
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -30,6 +31,13 @@ def _earlier_run(folder: Path, *, job: str = "elsewhere-1-2.00") -> Path:
     (folder / RUN_FILE).write_text(json.dumps({"job": job, "started": "2026-12-01T00:00:00+0000", "attempts": []}))
     (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 7)))
     return folder
+
+
+def _claim(folder: RunFolder) -> None:
+    """`RunFolder.claim` as rank 0 runs it, its log handler removed again (the trainer does that at the end)."""
+    handler = folder.claim(data_fingerprint="abc", resume_from=None, from_step=0)
+    handler.close()
+    logging.getLogger("mcore_packing").removeHandler(handler)
 
 
 def _folder(run_dir: Path, **keys) -> RunFolder:
@@ -78,7 +86,7 @@ def test_overwrite_moves_the_old_run_aside_and_deletes_nothing(tmp_path):
     before = _tree(run)
     folder = _folder(run, overwrite=True)
     folder.check(resume_from=None)
-    folder.claim(data_fingerprint="abc", resume_from=None, from_step=0)
+    _claim(folder)
     (aside,) = tmp_path.glob("run.replaced-*")
     assert _tree(aside) == before  # every byte of the old run kept
     record = json.loads((run / RUN_FILE).read_text())
@@ -106,7 +114,7 @@ def test_default_run_folders_never_collide_and_a_resume_finds_the_latest(tmp_pat
     assert second != first and f"-p{os.getppid()}" in second
     # the newest run is what resume=true continues; resume=auto only once that run saved
     folder = RunFolder(TrainConfig(run_dir=second, run_name="sft"), Path(second) / "checkpoints")
-    folder.claim(data_fingerprint="abc", resume_from=None, from_step=0)
+    _claim(folder)
     assert os.readlink("outputs/sft/latest") == Path(second).name
     assert default_run_dir("sft", True) == second
     os.replace("outputs/sft/latest", "outputs/sft/was-latest")

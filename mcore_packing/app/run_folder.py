@@ -111,9 +111,10 @@ class RunFolder:
                 f"move the old run aside to {self.path}.replaced-<time> (nothing is deleted).", key="run_dir",
             )  # fmt: skip
 
-    def claim(self, *, data_fingerprint: str, resume_from: Path | None, from_step: int) -> None:
+    def claim(self, *, data_fingerprint: str, resume_from: Path | None, from_step: int) -> logging.Handler:
         """Rank 0, after every check: move another run aside (``overwrite``), write ``run.json`` and
-        ``config.yaml``, point ``latest`` here (default folders), and log to ``train.log``."""
+        ``config.yaml``, point ``latest`` here (default folders), and log to ``train.log``; returns that
+        log's handler (the caller removes it when the run ends)."""
         if self.cfg.overwrite and resume_from is None and not self._is_ours() and self._evidence():
             self._move_aside()
         self.path.mkdir(parents=True, exist_ok=True)
@@ -132,6 +133,7 @@ class RunFolder:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
         logging.getLogger("mcore_packing").addHandler(handler)
         log.info("run folder %s (job %s)%s", self.path, self.job, f", resuming {resume_from}" if resume_from else "")
+        return handler
 
     def _move_aside(self) -> None:
         stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())

@@ -191,16 +191,19 @@ def train(cfg: TrainConfig) -> dict:
     """Run training; returns a summary with the step losses (the same on every rank)."""
     world_size, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     inputs = prepare_run(cfg, world_size)  # every config and data check, nothing written yet
-    fingerprint = inputs.fingerprint
+    handler = None
     if rank == 0:
         from_step = int(read_manifest(inputs.resume)["step"]) if inputs.resume else 0
-        RunFolder(cfg, checkpoint_folder(cfg)).claim(data_fingerprint=fingerprint, resume_from=inputs.resume,
-                                                     from_step=from_step)  # fmt: skip
+        folder = RunFolder(cfg, checkpoint_folder(cfg))
+        handler = folder.claim(data_fingerprint=inputs.fingerprint, resume_from=inputs.resume, from_step=from_step)
     stop = StopRequest(cfg.training.stop_signals).install()  # a signal from here on saves instead of killing
     try:
-        return _train(cfg, inputs, fingerprint, stop)
+        return _train(cfg, inputs, inputs.fingerprint, stop)
     finally:
         stop.uninstall()
+        if handler is not None:
+            handler.close()
+            logging.getLogger("mcore_packing").removeHandler(handler)
 
 
 def _train(cfg: TrainConfig, inputs: RunInputs, fingerprint: str, stop: StopRequest) -> dict:
