@@ -86,6 +86,7 @@ def test_bad_rows_and_unreadable_folders_are_named(tmp_path, model, rows, capsys
     assert main(["--input", str(tmp_path / "bad.parquet"), "--out", str(tmp_path / "s"), *base]) == 2
     err = capsys.readouterr().err
     assert "bad.parquet row 4 uses role(s) ['human']" in err and "Traceback" not in err, err
+    assert "2 rows are bad" in err and "bad.parquet row 21 has no learned token" in err, err  # rows, not lines
     assert not (tmp_path / "s").exists()
     datasets.DatasetDict({"a": datasets.Dataset.from_list(rows[:3]), "b": datasets.Dataset.from_list(rows[:2])}
                          ).save_to_disk(str(tmp_path / "dict"))  # fmt: skip

@@ -85,19 +85,34 @@ def test_multi_node_script_runs_one_torchrun_per_node(slurm_env, tmp_path):
     assert log.count("final loss") == 1 and (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_single_node_script_starts_one_rank_per_gpu(slurm_env, tmp_path):
-    proc, log = sbatch(
-        slurm_env,
-        tmp_path,
-        "slurm/train_single_node.sbatch",
-        *TINY,
-        "parallel.cp=2",
-        f"run_dir={tmp_path}/run",
-        extra_env={"GPUS_PER_NODE": "2"},
-    )
-    assert proc.returncode == 0, proc.stderr + log[-4000:]
-    assert "nodes=1 ranks/node=2 world=2" in log
-    assert "cp=0/2" in log and "cp=1/2" in log
+def test_single_node_script_starts_one_rank_per_gpu_and_a_signal_to_the_step_saves(slurm_env, tmp_path):
+    """Two ranks on one node (CP2). Mid-run, ``scancel --signal=USR1 <job>`` (what ``--signal=USR1@<s>``
+    without ``B:`` sends: the job step, not the batch shell) reaches ``python -m mcore_packing launch``,
+    which forwards it to both ranks: they save after their step and exit 0, so ``sbatch --wait`` returns
+    0 and the job is not requeued (no stop file: the batch shell was not asked)."""
+    import time
+
+    run, log = tmp_path / "run", tmp_path / "job.log"
+    submitted = subprocess.Popen(
+        ["sbatch", "--wait", "--parsable", "--gpus-per-node=1", f"--output={log}", f"--chdir={ROOT}",
+         "slurm/train_single_node.sbatch", *TINY, "training.steps=60", "parallel.cp=2", f"run_dir={run}"],
+        cwd=ROOT, env={**slurm_env, "GPUS_PER_NODE": "2"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    job = submitted.stdout.readline().strip().split(";")[0]
+    metrics_file, deadline = run / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
+        assert time.monotonic() < deadline and submitted.poll() is None, log.read_text() if log.exists() else "no log"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
+    assert submitted.wait(timeout=300) == 0, submitted.stderr.read() + log.read_text()[-4000:]
+    text = log.read_text()
+    assert "nodes=1 ranks/node=2 world=2" in text
+    assert "cp=0/2" in text and "cp=1/2" in text
+    assert "[rank 0] SIGUSR1: saving" in text and "[rank 1] SIGUSR1: saving" in text, text[-4000:]
+    stopped = next(line for line in text.splitlines() if line.startswith("stopped by SIGUSR1 after step "))
+    step = int(stopped.split("after step ")[1].split()[0])
+    assert step < 60 and (run / "checkpoints" / "latest").read_text() == f"step_{step:06d}", text[-4000:]
+    assert "requeueing" not in text and "Traceback" not in text, text[-4000:]
 
 
 def test_a_signalled_job_saves_requeues_and_matches_an_uninterrupted_run(slurm_env, tmp_path):
@@ -142,33 +157,6 @@ def test_a_signalled_job_saves_requeues_and_matches_an_uninterrupted_run(slurm_e
     expected = [json.loads(line) for line in (tmp_path / "straight" / "metrics.jsonl").read_text().splitlines()]
     for got, want in zip(rows, expected, strict=True):
         assert abs(got["loss"] - want["loss"]) <= 1e-6 * abs(want["loss"]), (got["step"], got["loss"], want["loss"])
-
-
-def test_a_signal_to_the_job_step_saves_and_ends_the_job_with_exit_0(slurm_env, tmp_path):
-    """``scancel --signal=USR1 <job>`` (what ``--signal=USR1@<s>`` without ``B:`` sends: the job step, not the
-    batch shell) reaches ``python -m mcore_packing launch`` on the node, which forwards it to the ranks:
-    they save after their step and exit 0, so the job ends COMPLETED (``sbatch --wait`` returns 0) and is
-    not requeued (no stop file: the batch shell was not asked)."""
-    import time
-
-    run, log = tmp_path / "run", tmp_path / "job.log"
-    submitted = subprocess.Popen(
-        ["sbatch", "--wait", "--parsable", "--gpus-per-node=1", f"--output={log}", f"--chdir={ROOT}",
-         "slurm/train_single_node.sbatch", *TINY, "training.steps=60", f"run_dir={run}"],
-        cwd=ROOT, env={**slurm_env, "GPUS_PER_NODE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    job = submitted.stdout.readline().strip().split(";")[0]
-    metrics_file, deadline = run / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics_file.exists() and len(metrics_file.read_text().splitlines()) >= 2):
-        assert time.monotonic() < deadline and submitted.poll() is None, log.read_text() if log.exists() else "no log"
-        time.sleep(0.2)
-    subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
-    assert submitted.wait(timeout=300) == 0, submitted.stderr.read() + log.read_text()[-4000:]
-    text = log.read_text()
-    stopped = next(line for line in text.splitlines() if line.startswith("stopped by SIGUSR1 after step "))
-    step = int(stopped.split("after step ")[1].split()[0])
-    assert step < 60 and (run / "checkpoints" / "latest").read_text() == f"step_{step:06d}", text[-4000:]
-    assert "requeueing" not in text and "Traceback" not in text, text[-4000:]
 
 
 def test_a_failing_job_fails_sbatch_wait(slurm_env, tmp_path):

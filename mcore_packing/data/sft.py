@@ -230,14 +230,12 @@ class TokenizedChunk:
 
 def _apply_policy(encoded: list[_Encoded], num_records: int, long_samples, max_sample_tokens: int,
                   remap=None, wheres: list[str] | None = None) -> TokenizedChunk:  # fmt: skip
-    """The samples of the non-empty records; a record with no learned token is left out and named in
-    ``without_targets`` (the caller refuses or counts it: `check_targets`)."""
+    """The samples of the records; a record with no learned token (an empty one too) is left out and named
+    in ``without_targets`` (the caller refuses or counts it: `check_targets`)."""
     wheres = wheres if wheres is not None else [f"record {i}" for i in range(len(encoded))]
-    kept = [(where, r) for where, r in zip(wheres, encoded, strict=True) if r.ids]
-    encoded = [r for _, r in kept]
     samples, outcomes, without = [], Counter(), []
-    for where, record in kept:
-        if not any(record.mask[1:]):
+    for where, record in zip(wheres, encoded, strict=True):
+        if not any(record.mask[1:]):  # an empty record too
             without.append(where)
             continue
         pieces, outcome = _fit(record, long_samples, max_sample_tokens)
