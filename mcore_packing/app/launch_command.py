@@ -18,6 +18,7 @@ torchrun (``torch.distributed.run``) run in this process, with two defaults chan
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import tempfile
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = get_args_parser()
-    parser.prog = "python -m mcore_packing launch"
+    parser.prog, parser.description = "python -m mcore_packing launch", __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     args = parser.parse_args(argv)
     if args.training_script == "launch":
         print("launch: after torchrun's options give the command the ranks run (train, ...), not launch.",

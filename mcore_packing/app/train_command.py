@@ -3,10 +3,12 @@
     python -m mcore_packing train                                      # packed tiny GPT on CHAMP (CPU ok)
     python -m mcore_packing train sequence_packing.enabled=false dynamic_batching.enabled=true
     torchrun --nproc_per_node 2 -m mcore_packing train parallel.cp=2
+    python -m mcore_packing launch --standalone --nproc-per-node 2 train parallel.cp=2   # torchrun, SIGTERM exits 0
     python -m mcore_packing train resume=true                          # continue at the next sample
     python -m mcore_packing train resume=true training.steps=40 optimizer.override_opt_param_scheduler=true
                                                                        # extend a run: the LR schedule over 40
     python -m mcore_packing train algorithm=grpo grpo.rollouts=rollouts.jsonl   # GRPO on your engine's rollouts
+    python -m mcore_packing train algorithm=dpo dpo.pairs=pairs.jsonl           # DPO on preference pairs
     python -m mcore_packing train --recipe llama3_8b_sft_packed --num-nodes 2 --gpus-per-node 8 --dry-run
 
 Arguments other than the flags below are Hydra overrides (``parallel.tp=2``, ``data=jsonl``; ``+key=..``
