@@ -109,9 +109,10 @@ def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, pairs_fil
     if "context_parallel.dynamic=true" in layout:
         sizes = [r["cp_sizes"] for r in metrics(tmp_path)]
         assert sum(s["1"] for s in sizes) and sum(s["2"] for s in sizes), sizes  # both sizes ran
-    for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
+    for step, (got, expected) in enumerate(zip(metrics(tmp_path), straight_run, strict=True), 1):
         assert abs(got["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"]), (got["loss"], expected["loss"])
-        assert got["accuracy"] == expected["accuracy"]
+        if step > 1:  # at step 1 the policy is the reference: every margin is 0 up to rounding, a tie either way
+            assert got["accuracy"] == expected["accuracy"], (step, got["accuracy"], expected["accuracy"])
 
 
 @pytest.mark.parametrize(

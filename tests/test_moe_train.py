@@ -65,7 +65,8 @@ def test_an_moe_checkpoint_trains_and_exports(tmp_path, moe_model):
 
 @pytest.mark.slow
 @pytest.mark.multirank
-@pytest.mark.parametrize("mode", [[], ["sequence_packing.enabled=false", "dynamic_batching.enabled=true"]],
+@pytest.mark.parametrize("mode", [[], ["sequence_packing.enabled=false", "dynamic_batching.enabled=true",
+                                        "dynamic_batching.train_mb_tokens=2048"]],  # rows of several samples
                          ids=["packed", "dynamic"])  # fmt: skip
 def test_expert_parallel_ranks_give_the_losses_of_one_rank(tmp_path, moe_model, mode):
     router = ["model.moe_aux_loss_coeff=0.05", "model.moe_z_loss_coeff=0.001"]

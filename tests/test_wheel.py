@@ -70,4 +70,4 @@ def test_an_installed_wheel_runs_the_main_job_outside_the_checkout(tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "step 2/2 loss" in run.stdout and "final loss" in run.stdout, run.stdout[-2000:]
-    assert (work / "outputs" / "local" / "sft-tiny" / "metrics.jsonl").is_file()
+    assert (work / "outputs" / "sft-tiny" / "latest" / "metrics.jsonl").is_file()  # the default run folder

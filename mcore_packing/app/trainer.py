@@ -218,7 +218,7 @@ def _train(cfg: TrainConfig, inputs: RunInputs, fingerprint: str, stop: StopRequ
         start = checkpointer.load(inputs.resume, setup, sampler) if inputs.resume else 0
         if inputs.resume:
             log.info("resumed from %s at step %d", inputs.resume, start)
-        _announce_draws(cfg, inputs, start, setup.rank)
+        _announce_draws(cfg, inputs, setup.rank)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
         metrics = MetricsLogger(cfg, setup.rank, start_step=start)
         meters = _moe_meters(setup.policy, inputs.shape)
@@ -257,7 +257,7 @@ def _train(cfg: TrainConfig, inputs: RunInputs, fingerprint: str, stop: StopRequ
     return summary
 
 
-def _announce_draws(cfg: TrainConfig, inputs: RunInputs, start: int, rank: int) -> None:
+def _announce_draws(cfg: TrainConfig, inputs: RunInputs, rank: int) -> None:
     """How many units the run draws from and whether it sees any twice (the sampler walks a fresh
     permutation of the data set each epoch)."""
     if rank != 0:
