@@ -3,6 +3,8 @@
 #   scripts/test.sh                 ruff + every test (what CI runs)
 #   scripts/test.sh --fast          ruff + the fast tier: no multi-rank and no slow tests (under 3 minutes)
 # Other arguments go to pytest, e.g. scripts/test.sh -k packing -x
+# The suite runs on MCORE_PACKING_TEST_WORKERS pytest-xdist workers (2 by default; 0 runs it in this
+# process), one test file per worker so that a file's module fixtures are built once.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"
@@ -16,4 +18,5 @@ if [[ "${1:-}" == "--fast" ]]; then
   tier=(-m "not multirank and not slow")
 fi
 "$venv/bin/ruff" check mcore_packing tests benchmarks
-"$venv/bin/python" -m pytest "${tier[@]}" "$@"
+workers=(-n "${MCORE_PACKING_TEST_WORKERS:-2}" --dist loadfile)
+"$venv/bin/python" -m pytest "${workers[@]}" "${tier[@]}" "$@"

@@ -3,7 +3,7 @@
 # context parallelism, the interleaved schedule, HF import, the optimizer and dist_checkpointing, the DPO and
 # policy-gradient steps, the version-pinned patches), in the second environment
 # (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh).
-# Other arguments go to pytest.
+# Other arguments go to pytest. Workers as in scripts/test.sh (MCORE_PACKING_TEST_WORKERS, 2 by default).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup_env.sh"  # the 0.16.1 venv writes the checkpoints that 0.19.2 resumes
@@ -12,7 +12,8 @@ venv="${MCORE019_VENV:-$root/.venv-mcore019}"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VENV:-$root/.venv}/bin/python}"
-"$venv/bin/python" -m pytest -p no:cacheprovider -W "ignore::UserWarning" \
+"$venv/bin/python" -m pytest -n "${MCORE_PACKING_TEST_WORKERS:-2}" --dist loadfile -p no:cacheprovider \
+  -W "ignore::UserWarning" \
   tests/test_patches.py tests/test_megatron_units.py tests/test_checkpoint.py \
   "tests/test_step_equivalence.py::test_two_ranks_match_reference" \
   tests/test_megatron_packed.py tests/test_dpo_packed.py \
