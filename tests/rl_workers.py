@@ -34,8 +34,9 @@ def make_rollouts(seed: int = 11, groups: int = 4, per_group: int = 4, vocab: in
 
 
 def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float, minibatches: int = 1, groups: int = 4,
-                   steps: int = 2):  # fmt: skip
-    """``steps`` GRPO steps on the rollouts of the first ``groups`` groups, from the seeded initial policy."""
+                   steps: int = 2, loss_settings: dict | None = None, temperature: float = 1.0):  # fmt: skip
+    """``steps`` GRPO steps on the rollouts of the first ``groups`` groups, from the seeded initial policy
+    (``loss_settings``: more `ClippedPGConfig` keys; ``temperature``: the rollouts' sampling temperature)."""
     from mcore_packing.app.config import plan_config
     from mcore_packing.app.model_setup import build_model, default_device, device_context, setup_training
     from mcore_packing.app.train_command import compose_config
@@ -45,9 +46,10 @@ def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float, minibatc
     cfg = compose_config(None, [*SMALL, f"run_dir={root}"])
     shape = cfg.model.shape(128)
     rollouts = [r for r in make_rollouts() if r.group_id < groups]
-    loss = ClippedPGConfig(reference_policy_kl_penalty=kl)
+    loss = ClippedPGConfig(reference_policy_kl_penalty=kl, **(loss_settings or {}))
     # each group in one micro-batch of the log-prob pass
-    grouped = GRPOConfig(keep_groups_together=True, num_minibatches=minibatches, num_prompts_per_step=groups)
+    grouped = GRPOConfig(keep_groups_together=True, num_minibatches=minibatches, num_prompts_per_step=groups,
+                         temperature=temperature)  # fmt: skip
     results = []
     with device_context(default_device()):
         setup = setup_training(cfg, shape)

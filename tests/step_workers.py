@@ -164,14 +164,15 @@ def _init(tp=1, pp=1, cp=1, vpp=1):
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
-def sequence_logprobs(model, token_rows) -> list:
-    """Next-token log-probs of each sequence, one causal forward per sequence (the reference path)."""
+def sequence_logprobs(model, token_rows, temperature: float = 1.0) -> list:
+    """Next-token log-probs of each sequence, one causal forward per sequence (the reference path), of
+    the logits divided by ``temperature``."""
     out = []
     for tokens in token_rows:
         t = torch.as_tensor(tokens)
         n = t.numel()
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-        logits = model(t[None], torch.arange(n)[None], causal)[0]
+        logits = model(t[None], torch.arange(n)[None], causal)[0] / temperature
         out.append(-F.cross_entropy(logits[:-1], t[1:], reduction="none"))
     return out
 
@@ -356,8 +357,10 @@ def _record_bshd_cp_fields(dynamic, cp_fields: list) -> None:
     dynamic.bshd_cp_params = recording
 
 
-def step_worker(rank, world_size, configs, samples, state_dict):
-    """Run every config (dicts with tp, pp, cp, mode, ...) on this world; rank 0 returns the results."""
+def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=None):
+    """Run every config (dicts with tp, pp, cp, mode, ...) on this world; rank 0 returns the results.
+    ``temperature`` in a config scores at that sampling temperature; ``logprobs`` computes the log-probs
+    of ``logprob_samples`` (default: ``samples``)."""
     import importlib
 
     from megatron.core import parallel_state as ps
@@ -367,12 +370,13 @@ def step_worker(rank, world_size, configs, samples, state_dict):
     import mcore_packing.megatron.schedule as schedule
     from mcore_packing.megatron import (
         PerGroup,
-        PerSample,
         ProcessGroups,
         compute_logprobs,
         cpu_device_adapter,
         forward_backward,
+        logits_temperature,
         nll_loss,
+        policy_step_loss,
     )
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
@@ -421,13 +425,18 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 pgs = pgs.with_dynamic_cp()
             from mcore_packing.losses import dpo_pair_loss
 
+            temperature = logits_temperature(ddp, cfg.get("temperature", 1.0))
             if cfg.get("pg"):
-                plan = plan_step(lengths, plan_config)
                 loss = _pg_loss(cfg, samples)
-                step_loss = PerSample(loss, normalization=loss.config.normalization)
+                per_prompt = loss.normalization == "group_mean"
+                plan = plan_step(lengths, plan_config, groups=[s["group"] for s in samples] if per_prompt else None)
+                step_loss = policy_step_loss(loss)
                 if cfg.get("negative_pg") == "per_microbatch_normalization":
                     step_loss = _per_microbatch_loss(loss, sum(len(r) for r in plan.micro_batches))
-                result = forward_backward(ddp, seq_samples, plan, pgs, device="cpu", loss=step_loss)
+                if cfg.get("negative_pg") == "mask_width":
+                    step_loss = _mask_width_loss(loss)
+                with temperature:
+                    result = forward_backward(ddp, seq_samples, plan, pgs, device="cpu", loss=step_loss)
             elif cfg.get("dpo"):
                 group_ids = [s["group"] for s in samples]
                 if cfg.get("wrong_pairs"):  # negative control: pair each rejected with the next chosen
@@ -445,8 +454,12 @@ def step_worker(rank, world_size, configs, samples, state_dict):
                 grads.update(collect_full_grads(chunk, layer_offset))
             logprobs = None
             if cfg.get("logprobs"):
-                logprob_plan = plan_step(lengths, plan_config, forward_only=True)
-                logprobs = compute_logprobs(ddp, seq_samples, logprob_plan, pgs, device="cpu")
+                scored = seq_samples
+                if logprob_samples is not None:
+                    scored = [SequenceSample(s["tokens"], s["loss_mask"]) for s in logprob_samples]
+                logprob_plan = plan_step([len(s.tokens) for s in scored], plan_config, forward_only=True)
+                with logits_temperature(ddp, cfg.get("temperature", 1.0)):
+                    logprobs = compute_logprobs(ddp, scored, logprob_plan, pgs, device="cpu")
         # Stage grads from (dp, cp, tp) rank 0 of every stage, merged on global rank 0.
         mine = grads if (ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0) else {}
         if ps.get_tensor_model_parallel_rank() != 0:
@@ -547,34 +560,95 @@ def _per_microbatch_loss(fn, num_microbatches: int):
     return PerMicroBatch(fn)
 
 
+def _mask_width_loss(fn):
+    """Negative control (verl's seq-mean-token-sum-norm without a constant): each sample's token sum divided
+    by its micro-batch's width (the longest sample in it) instead of the constant, so the loss changes
+    with how the batch was packed."""
+    from mcore_packing.megatron import PerSample
+    from mcore_packing.megatron.prepare import per_sample_logprobs
+
+    class PerWidth(PerSample):
+        def micro_batch_sum(self, prep, output, process_groups, totals):
+            rows = per_sample_logprobs(prep, output, process_groups)
+            width = max(len(lp) for _, lp, _ in rows)
+            total = output.new_zeros((), dtype=torch.float32)
+            for sample_id, logprobs, mask in rows:
+                total = total + fn.token_sum(sample_id, logprobs, mask.float()) / width
+            return total / (totals.num_sequences * process_groups.cp_size)
+
+    return PerWidth(fn, normalization="sequence_mean")
+
+
 def pg_reference_loss(logps, samples, *, ratio_clip_min, ratio_clip_max, ratio_clip_c=None,
-                      reference_policy_kl_penalty=0.0, kl_estimator="k3", token_level_loss=True,
-                      use_importance_sampling_correction=False):  # fmt: skip
-    """The clipped PG loss over the whole batch in plain torch, written independently of mcore_packing:
-    ``logps[i]`` are sample i's next-token log-probs (a tensor), the rest are the samples' fields."""
-    per_sample, token_sum, token_count = [], torch.zeros(()), 0.0
+                      reference_policy_kl_penalty=0.0, kl_estimator="k3", token_level_loss=None,
+                      use_importance_sampling_correction=False, loss_agg_mode=None, loss_agg_norm_constant=None,
+                      policy_loss_mode="vanilla", sequence_level_importance_ratios=False,
+                      truncated_importance_sampling_ratio=None, truncated_importance_sampling_ratio_min=None,
+                      truncated_importance_sampling_type="tis"):  # fmt: skip
+    """The policy-gradient loss over the whole batch in plain torch, written independently of
+    mcore_packing: ``logps[i]`` are sample i's next-token log-probs (a tensor), the rest are the samples'
+    fields (``group`` is the prompt of prompt-mean)."""
+    if sequence_level_importance_ratios:
+        policy_loss_mode = "gspo"
+    mode = loss_agg_mode or ("seq-mean-token-mean" if token_level_loss is False else "token-mean")
+    sums, counts, groups = [], [], []
     for lp, s in zip(logps, samples, strict=True):
         mask = torch.tensor(s["loss_mask"][1:])
         old, ref, gen = (torch.tensor(s[k]) for k in ("old_logp", "ref_logp_tokens", "gen_logp"))
         a = torch.tensor(float(s["advantage"]))
-        ratio = (lp - old).exp()
-        unclipped, clipped = -a * ratio, -a * ratio.clamp(1 - ratio_clip_min, 1 + ratio_clip_max)
-        token = torch.where(unclipped > clipped, unclipped, clipped)
-        if ratio_clip_c is not None and float(a) < 0:
-            token = torch.where(token < -a * ratio_clip_c, token, -a * ratio_clip_c)
+        n = mask.sum()
+        if policy_loss_mode == "gspo":  # one ratio per response: exp of the mean log ratio
+            ratio = ((lp - old) * mask).sum().div(n).exp() * torch.ones_like(lp)
+        else:
+            ratio = (lp - old).exp()
+        bounded = ratio.clamp(1 - ratio_clip_min, 1 + ratio_clip_max)
+        if policy_loss_mode == "cispo":  # REINFORCE weighted by the clipped, stopped ratio
+            token = -a * bounded.detach() * (lp - lp.detach()).exp()
+        else:
+            unclipped, clipped = -a * ratio, -a * bounded
+            token = torch.where(unclipped > clipped, unclipped, clipped)
+            if ratio_clip_c is not None and float(a) < 0:
+                token = torch.where(token < -a * ratio_clip_c, token, -a * ratio_clip_c)
         if reference_policy_kl_penalty:
             d = ref - lp
             token = token + reference_policy_kl_penalty * ((d.exp() - d - 1) if kl_estimator == "k3" else -d)
         if use_importance_sampling_correction:
-            token = token * (old - gen).exp()
-        token_sum = token_sum + (token * mask).sum()
-        token_count += float(mask.sum())
-        per_sample.append((token * mask).sum() / mask.sum())
-    return token_sum / token_count if token_level_loss else torch.stack(per_sample).mean()
+            rho = (old - gen).exp()
+            hi, lo = truncated_importance_sampling_ratio, truncated_importance_sampling_ratio_min
+            kind = truncated_importance_sampling_type
+            if kind == "tis":
+                w = rho if hi is None else torch.minimum(rho, torch.tensor(hi))
+            elif kind == "icepop":
+                w = rho * ((rho >= lo) & (rho <= hi)).float()
+            elif kind == "seq-tis":
+                w = torch.minimum(((old - gen) * mask).sum().exp(), torch.tensor(hi)) * torch.ones_like(rho)
+            else:  # seq-mask-tis
+                geometric = ((old - gen) * mask).sum().div(n).exp()
+                w = torch.minimum(rho, torch.tensor(hi)) * float(lo <= float(geometric) <= hi)
+            token = token * w
+        sums.append((token * mask).sum())
+        counts.append(n)
+        groups.append(s.get("group"))
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    if mode == "token-mean":
+        return sums.sum() / counts.sum()
+    if mode == "seq-mean-token-mean":
+        return (sums / counts).mean()
+    if mode == "seq-mean-token-sum":
+        return sums.mean()
+    if mode == "seq-mean-token-sum-norm":
+        return sums.mean() / loss_agg_norm_constant
+    per_prompt = []  # prompt-mean
+    for g in dict.fromkeys(groups):
+        members = [i for i, h in enumerate(groups) if h == g]
+        per_prompt.append(sums[members].sum() / counts[members].sum())
+    return torch.stack(per_prompt).mean()
 
 
-def pg_reference_worker(rank, world_size, samples, pg_configs):
-    """Stock model, one sequence per forward; the clipped PG loss of each config in plain torch."""
+def pg_reference_worker(rank, world_size, samples, pg_configs, temperatures=None, sample_prompts=None):
+    """Stock model, one sequence per forward; the PG loss of each config in plain torch, scored at
+    ``temperatures[k]`` (default 1). ``sample_prompts``: also responses sampled from the model at each
+    prompt's temperature (``[(tokens, temperature, length), ...]``), with their sampling log-probs."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from mcore_packing.megatron import cpu_device_adapter
@@ -585,14 +659,34 @@ def pg_reference_worker(rank, world_size, samples, pg_configs):
         torch.manual_seed(0)
         model = build_gpt(model_config(), get_gpt_layer_local_spec())
         state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
-        for pg in pg_configs:
+        for pg, temperature in zip(pg_configs, temperatures or [1.0] * len(pg_configs), strict=True):
             model.zero_grad()
-            logps = sequence_logprobs(model, [s["tokens"] for s in samples])
+            logps = sequence_logprobs(model, [s["tokens"] for s in samples], temperature=temperature)
             loss = pg_reference_loss(logps, samples, **pg)
             loss.backward()
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
             out.append({"loss": float(loss), "grads": grads, "logps": [lp.detach() for lp in logps]})
-    return {"state_dict": state, "pg": out}
+        sampled = [_sample(model, *prompt) for prompt in sample_prompts or []]
+    return {"state_dict": state, "pg": out, "sampled": sampled}
+
+
+def _sample(model, prompt, temperature: float, length: int, seed: int = 0) -> dict:
+    """A response of ``length`` tokens drawn from ``model`` at ``temperature`` (one forward per token, as an
+    inference engine decodes), and the log-prob of each drawn token under the distribution it came from."""
+    generator = torch.Generator().manual_seed(seed + len(prompt))
+    tokens, drawn = list(prompt), []
+    with torch.no_grad():
+        for _ in range(length):
+            t = torch.tensor(tokens)
+            n = t.numel()
+            causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+            logits = model(t[None], torch.arange(n)[None], causal)[0, -1].double() / temperature
+            probs = torch.softmax(logits, -1)
+            token = int(torch.multinomial(probs, 1, generator=generator))
+            drawn.append(float(torch.log(probs[token])))
+            tokens.append(token)
+    return {"tokens": tokens, "loss_mask": [0.0] * len(prompt) + [1.0] * length, "sampled_logp": drawn,
+            "temperature": temperature}
 
 
 DPO_BETA = 0.5

@@ -16,9 +16,10 @@ def _write(path, text: str) -> str:
     return str(path)
 
 
-def _rollouts(path, groups: dict[str, int]) -> str:
-    lines = [json.dumps({"prompt_tokens": [1, 2], "response_tokens": [3, 4 + k], "reward": float(k), "group_id": g})
-             for g, n in groups.items() for k in range(n)]  # fmt: skip
+def _rollouts(path, groups: dict[str, int], logprobs: bool = False) -> str:
+    extra = {"generation_logprobs": [-0.5, -1.25]} if logprobs else {}
+    lines = [json.dumps({"prompt_tokens": [1, 2], "response_tokens": [3, 4 + k], "reward": float(k), "group_id": g,
+                         **extra}) for g, n in groups.items() for k in range(n)]  # fmt: skip
     return _write(path, "\n".join(lines) + "\n")
 
 
@@ -107,6 +108,48 @@ CASES = {
         ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=9"],
         "grpo.num_prompts_per_step=9 is more than the 2 groups",
     ),
+    # the policy loss (loss_fn) and the sampling temperature
+    "a clip range with low = high": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.ratio_clip_min=0", "loss_fn.ratio_clip_max=0"],
+        "loss_fn.ratio_clip_min=0 and ratio_clip_max=0 clip the ratio to exactly 1 (low = high)",
+    ),
+    "importance-sampling bounds with low >= high": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=icepop",
+         "loss_fn.truncated_importance_sampling_ratio_min=2", "loss_fn.truncated_importance_sampling_ratio=1.5"],
+        "loss_fn.truncated_importance_sampling_ratio_min=2.0 must be below truncated_importance_sampling_ratio=1.5",
+    ),
+    "a temperature <= 0": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "grpo.temperature=0"],
+        "grpo.temperature=0.0 must be a finite number > 0",
+    ),
+    "the importance-sampling correction without generation log-probs": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.use_importance_sampling_correction=true"],
+        "but 4 of 4 rollouts in",
+    ),
+    "an unknown loss aggregation mode": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.loss_agg_mode=seq-sum"],
+        "loss_agg_mode must be one of token-mean, seq-mean-token-mean",
+    ),
+    "seq-mean-token-sum-norm without its constant": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.loss_agg_mode=seq-mean-token-sum-norm"],
+        "seq-mean-token-sum-norm needs loss_agg_norm_constant: a constant divisor",
+    ),
+    "token_level_loss against loss_agg_mode": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.token_level_loss=true", "loss_fn.loss_agg_mode=seq-mean-token-sum"],
+        "token_level_loss=True means loss_agg_mode=token-mean",
+    ),
+    "prompt-mean on padded batches": (
+        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
+         "loss_fn.loss_agg_mode=prompt-mean", "sequence_packing.enabled=false"],
+        "loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one micro-batch",
+    ),
     # plan
     "plan --global-batch-size 0 on the run's data": (["plan", "--global-batch-size", "0"], "is for --lengths/--corpus"),
     "plan a GRPO run without rollouts": (["plan", "algorithm=grpo"], "grpo.rollouts is not set"),
@@ -137,6 +180,11 @@ FIXED = {  # the control: the same command with the input fixed passes
     "message content a number": ["train", "--dry-run", "data=jsonl", "data.path={text_parts}",
                                  "data.text_field=messages", "training.global_batch_size=1"],
     "run_dir of another run": ["train", "--dry-run", "run_dir={another}", "overwrite=true"],
+    "the importance-sampling correction without generation log-probs": [
+        "train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts_logprobs}", "grpo.num_prompts_per_step=2",
+        "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=seq-mask-tis",
+        "loss_fn.truncated_importance_sampling_ratio_min=0.5", "loss_fn.truncated_importance_sampling_ratio=2",
+        "loss_fn.loss_agg_mode=prompt-mean", "grpo.temperature=0.7"],
 }
 # fmt: on
 
@@ -157,6 +205,7 @@ def files(tmp_path):
         "hf_no_tokenizer": str(hf),
         "single": _rollouts(tmp_path / "single.jsonl", {"a": 2, "b": 1}),
         "rollouts": _rollouts(tmp_path / "rollouts.jsonl", {"a": 2, "b": 2}),
+        "rollouts_logprobs": _rollouts(tmp_path / "rollouts_logprobs.jsonl", {"a": 2, "b": 2}, logprobs=True),
         "no_assistant": _write(tmp_path / "no_assistant.jsonl",
                                _chat("2+2?", "4") + _chat("hello?") + _chat("3+3?", "6")),
         "number_content": _write(tmp_path / "number_content.jsonl", _chat("2+2?", 4)),

@@ -170,7 +170,8 @@ def test_a_grpo_recipe_dry_run_plans_rollouts_and_checks_without_them(tmp_path):
         for _ in range(8):
             length = int(min(15_000, rng.zipf(1.6) * 40 + 10))  # most short, a few near the limit
             rows.append({"prompt_tokens": prompt, "response_tokens": rng.integers(0, 152_000, length).tolist(),
-                         "reward": float(rng.integers(0, 2)), "group_id": g})  # fmt: skip
+                         "reward": float(rng.integers(0, 2)), "group_id": g,
+                         "generation_logprobs": (-rng.random(length)).tolist()})  # fmt: skip (the recipe's IS)
     from .test_train import ROOT
 
     command = ["--recipe", "qwen2_7b_grpo_cp", "--dry-run", "--gpus-per-node", "8"]

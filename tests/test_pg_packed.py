@@ -27,7 +27,7 @@ UNIFORM = math.log(1.0 / VOCAB)  # a fresh model's log-probs are near this
 def make_rollouts(num_groups: int = 4, per_group: int = 3, seed: int = 5) -> list[dict]:
     rng = np.random.default_rng(seed)
     samples = []
-    for _ in range(num_groups):
+    for group in range(num_groups):
         prompt = rng.integers(0, VOCAB, int(rng.integers(3, 10))).tolist()
         rewards = rng.normal(0, 1, per_group)
         advantages = (rewards - rewards.mean()) / (rewards.std() + 1e-6)  # GRPO
@@ -41,6 +41,7 @@ def make_rollouts(num_groups: int = 4, per_group: int = 3, seed: int = 5) -> lis
                 "old_logp": (UNIFORM + rng.normal(0, 0.15, n - 1)).tolist(),
                 "ref_logp_tokens": (UNIFORM + rng.normal(0, 0.2, n - 1)).tolist(),
                 "gen_logp": (UNIFORM + rng.normal(0, 0.05, n - 1)).tolist(),
+                "group": group,
             })  # fmt: skip
     return samples
 
@@ -135,3 +136,35 @@ def test_bad_pg_settings_name_the_key():
         ClippedPGConfig(kl_estimator="k2")
     with pytest.raises(ValueError, match="needs reference_logprobs"):
         ClippedPGLoss(ClippedPGConfig(reference_policy_kl_penalty=0.1), advantages=[1.0], old_logprobs=[[0.0]])
+    IS = {"use_importance_sampling_correction": True}
+    bad = [
+        ({"ratio_clip_min": -0.1}, r"ratio_clip_min=-0\.1 must be a finite number >= 0"),
+        ({"ratio_clip_min": 0, "ratio_clip_max": 0}, r"\(low = high\)"),
+        ({"loss_agg_mode": "seq-sum"}, "loss_agg_mode must be one of token-mean, seq-mean-token-mean"),
+        ({"token_level_loss": False, "loss_agg_mode": "token-mean"}, "token_level_loss=False means"),
+        ({"loss_agg_mode": "seq-mean-token-sum-norm"}, "needs loss_agg_norm_constant"),
+        ({"loss_agg_mode": "seq-mean-token-sum-norm", "loss_agg_norm_constant": 0}, "must be a finite number > 0"),
+        ({"loss_agg_norm_constant": 512}, "is only read by loss_agg_mode=seq-mean-token-sum-norm"),
+        ({"policy_loss_mode": "grpo"}, "policy_loss_mode must be one of vanilla, gspo, cispo"),
+        ({"policy_loss_mode": "cispo", "sequence_level_importance_ratios": True}, "choose one"),
+        ({"policy_loss_mode": "cispo", "ratio_clip_c": 3.0}, "Set ratio_clip_c=null"),
+        ({"truncated_importance_sampling_ratio": 2.0}, "set use_importance_sampling_correction=true"),
+        ({"truncated_importance_sampling_type": "icepop"}, "set use_importance_sampling_correction=true"),
+        ({**IS, "truncated_importance_sampling_type": "tish"}, "truncated_importance_sampling_type must be one of"),
+        ({**IS, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 2.0},
+         "set both truncated_importance_sampling_ratio_min and"),
+        ({**IS, "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio": 1.0,
+          "truncated_importance_sampling_ratio_min": 1.0}, r"must be below truncated_importance_sampling_ratio=1\.0"),
+        ({**IS, "truncated_importance_sampling_type": "seq-tis"}, "seq-tis truncates"),
+        ({**IS, "truncated_importance_sampling_ratio_min": 0.5}, "is read by the icepop and seq-mask-tis types only"),
+        ({**IS, "truncated_importance_sampling_ratio": -1.0}, "must be a finite number > 0"),
+    ]  # fmt: skip
+    for settings, message in bad:
+        with pytest.raises(ValueError, match=message):
+            ClippedPGConfig(**settings)
+    for good in ({"loss_agg_mode": "prompt-mean", "token_level_loss": None}, {"token_level_loss": False},
+                 {**IS, "truncated_importance_sampling_type": "icepop", "truncated_importance_sampling_ratio": 5.0,
+                  "truncated_importance_sampling_ratio_min": 0.5}, {"sequence_level_importance_ratios": True}):
+        ClippedPGConfig(**good)  # the controls: accepted
+    assert ClippedPGConfig(token_level_loss=False).aggregation == "seq-mean-token-mean"
+    assert ClippedPGConfig(sequence_level_importance_ratios=True).objective == "gspo"

@@ -12,6 +12,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 
+from mcore_packing.__main__ import main as cli
 from mcore_packing.app.prepare_command import main, prepare
 from mcore_packing.data.preference import load_preference_data
 from mcore_packing.data.store import PreparedStore
@@ -152,7 +153,7 @@ def test_each_rank_reads_only_its_own_micro_batches_from_a_store(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
-def test_dpo_and_grpo_train_from_a_store_with_the_jsonl_runs_losses(tmp_path, model, algorithm):
+def test_dpo_and_grpo_train_from_a_store_with_the_jsonl_runs_losses(tmp_path, model, algorithm, capsys):
     from .test_train import metrics, train
 
     if algorithm == "dpo":
@@ -162,7 +163,16 @@ def test_dpo_and_grpo_train_from_a_store_with_the_jsonl_runs_losses(tmp_path, mo
                   "dpo.reference_policy_kl_penalty=0.5", "sequence_packing.train_mb_tokens=256"]  # fmt: skip
         own = f"dpo.pairs={path}"
     else:
-        path = _jsonl(tmp_path / "r.jsonl", rollout_rows())
+        rows = rollout_rows()
+        partial = _jsonl(tmp_path / "partial.jsonl", rows)  # every other rollout without generation log-probs
+        prepare(partial, tmp_path / "partial", kind="rollouts", workers=2, chunk_records=5)
+        refused = cli(["train", "--dry-run", "algorithm=grpo", f"data.prepared={tmp_path / 'partial'}",
+                       "grpo.num_prompts_per_step=3", "loss_fn.use_importance_sampling_correction=true"])  # fmt: skip
+        err = capsys.readouterr().err  # the correction would weigh those rollouts' tokens 1: refused, named
+        assert refused == 2 and "16 of 32 rollouts" in err and "no generation_logprobs (e.g. rollout 0)" in err, err
+        for row in rows:  # the control: every rollout with its log-probs
+            row["generation_logprobs"] = row["generation_logprobs"] or [-0.5] * len(row["response_tokens"])
+        path = _jsonl(tmp_path / "r.jsonl", rows)
         prepare(path, tmp_path / "store", kind="rollouts", workers=2, chunk_records=5)
         common = ["algorithm=grpo", "grpo.num_prompts_per_step=3", "grpo.num_generations_per_prompt=4",
                   "grpo.keep_groups_together=true", "loss_fn.reference_policy_kl_penalty=0.05",

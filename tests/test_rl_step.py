@@ -80,6 +80,30 @@ def test_rl_step_first_update_is_on_policy_and_exact(tmp_path, world):
 
 
 @pytest.mark.slow
+def test_rl_step_prompt_mean_cispo_at_temperature_is_on_policy(tmp_path):
+    """prompt-mean, CISPO, T=0.7 through `rl_step` on 2 ranks: the log-prob pass and the training pass both
+    score at T (else the first step's ratios would not be 1), and the loss is the mean over prompts of
+    -sum_{i in g} A_i n_i / sum_{i in g} n_i, computed from the advantages and lengths alone."""
+    steps = run_distributed("tests.rl_workers:rl_step_worker", 2, root=str(tmp_path), kl=0.0, steps=1,
+                            loss_settings={"loss_agg_mode": "prompt-mean", "policy_loss_mode": "cispo"},
+                            temperature=0.7)[0]  # fmt: skip
+    first, rollouts = steps[0], make_rollouts()
+    n = np.array([len(r.response_tokens) for r in rollouts], dtype=np.float64)
+    a, groups = np.array(first["advantages"]), np.array([r.group_id for r in rollouts])
+    expected = float(np.mean([-(a[groups == g] * n[groups == g]).sum() / n[groups == g].sum()
+                              for g in np.unique(groups)]))  # fmt: skip
+    token_mean = -float((a * n).sum() / n.sum())
+    assert abs(first["loss"] - expected) <= 1e-5 * max(abs(expected), 1e-3), (first["loss"], expected)
+    assert abs(token_mean - expected) > 1e-3  # the modes differ on this batch: the check can tell them apart
+    m = first["metrics"]
+    assert abs(m["mean_ratio"] - 1) <= 1e-6 and m["clip_fraction"] == 0 and abs(m["gen_ratio"] - 1) <= 1e-9, m
+    # The control: at T=1 the log-prob pass scores other values (the entropy estimate, -mean log p, moves).
+    plain = run_distributed("tests.rl_workers:rl_step_worker", 1, root=str(tmp_path / "t1"), kl=0.0, steps=1,
+                            loss_settings={"loss_agg_mode": "prompt-mean", "policy_loss_mode": "cispo"})[0]  # fmt: skip
+    assert abs(plain[0]["metrics"]["entropy_estimate"] - m["entropy_estimate"]) > 1e-3, (plain[0]["metrics"], m)
+
+
+@pytest.mark.slow
 def test_minibatches_take_one_optimizer_step_per_run_of_groups(tmp_path):
     """Two minibatches: the first (groups 0 and 1) is exactly a one-minibatch step on those groups alone;
     the second is scored against the old log-probs after the first update, so its ratio has moved."""

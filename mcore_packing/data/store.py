@@ -216,6 +216,10 @@ class PreparedStore:
         s = int(self._span_pointers[i]) // 4
         return self._spans[s : s + int(self._span_lengths[i])]
 
+    def without_logprobs(self) -> np.ndarray:
+        """A rollouts store's rollouts that carry no generation log-probs (indices, ascending)."""
+        return np.flatnonzero(np.asarray(self._logprob_lengths) == 0)
+
     def logprobs(self, i: int) -> np.ndarray | None:
         """A rollouts store's generation log-probs of rollout ``i`` (float64), None when it had none."""
         n = int(self._logprob_lengths[i])

@@ -3,9 +3,9 @@ log-probs (as `megatron.forward_backward` hands them out through `PerSample` / `
 unpacked forward gives) and returns its contribution; the step loss divides by the global token,
 sequence or group count, so it is exact under packing, dynamic batching and any TP/PP/CP/DP layout.
 
-- `policy_gradient`: PPO/GRPO clipped policy gradient with NeMo-RL's keys (ratio_clip_min/max,
-  ratio_clip_c, reference_policy_kl_penalty with the k1/k3 estimators, token_level_loss, importance
-  sampling correction against generation log-probs) and its per-step metrics.
+- `policy_gradient`: the policy-gradient loss (PPO/GRPO clip with clip-higher and dual clip, GSPO, CISPO;
+  k1/k3 KL; the training/inference correction TIS, ICEPOP, seq-TIS, seq-mask-TIS against generation
+  log-probs; the five aggregation modes, each one global sum over one global count) and its metrics.
 - `dpo`: `DPOLoss` on a (chosen, rejected) pair (preference and SFT terms, metrics), for `PerGroup`.
 - `pg_config`: `ClippedPGConfig`, its settings (no torch: the trainer's ``loss_fn`` config group).
 - `rollouts`: rollouts checked, GRPO advantages, samples for the policy step (numpy).
@@ -15,9 +15,10 @@ The torch parts load on first use, so ``from mcore_packing.losses import Clipped
 dry run on a login node) does not import torch.
 """
 
-from .pg_config import KL_ESTIMATORS, ClippedPGConfig
+from .pg_config import IS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES, POLICY_LOSS_MODES, ClippedPGConfig
 
-__all__ = ["KL_ESTIMATORS", "ClippedPGConfig", "ClippedPGLoss", "DPOLoss", "dpo_pair_loss"]
+__all__ = ["IS_TYPES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSS_MODES", "ClippedPGConfig", "ClippedPGLoss",
+           "DPOLoss", "dpo_pair_loss"]
 
 _TORCH_PARTS = {"ClippedPGLoss": "policy_gradient", "DPOLoss": "dpo", "dpo_pair_loss": "dpo"}
 

@@ -21,7 +21,9 @@ Importing this package imports megatron-core; the packing and planning layers do
   ``parallel_state`` on the step path; `with_dynamic_cp` adds dynamic CP's sub-groups, `DynamicCPGroups`),
   `verify_plan_across_ranks`.
 - `prepare`: this rank's `PreparedMicroBatch`es, and `per_sample_logprobs` back from the output.
-- `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`.
+- `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`;
+  `policy_step_loss` (a policy loss as its aggregation asks).
+- `temperature`: `logits_temperature`, log-probs at the sampling temperature.
 - `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
 - `policy`: `Policy` (model chunks, optimizer, schedule, process groups, device) and `build_policy`, the
   one builder of a policy and of its frozen reference.
@@ -48,8 +50,18 @@ from .prepare import PreparedMicroBatch, per_sample_logprobs, prepare_micro_batc
 from .process_groups import ProcessGroups, verify_plan_across_ranks
 from .schedule import StepResult, compute_logprobs, forward_backward
 from .seeded_init import seeded_init_
-from .step_loss import PerGroup, PerSample, PerSequence, SequenceMeanNLL, StepLoss, TokenMeanNLL, nll_loss
+from .step_loss import (
+    PerGroup,
+    PerSample,
+    PerSequence,
+    SequenceMeanNLL,
+    StepLoss,
+    TokenMeanNLL,
+    nll_loss,
+    policy_step_loss,
+)
 from .te_contract import check_te_contract, te_thd_fields
+from .temperature import logits_temperature
 from .train_step import StepOutcome, train_step
 
 __all__ = [
@@ -79,8 +91,10 @@ __all__ = [
     "get_packed_gpt_block_spec",
     "get_packed_gpt_layer_spec",
     "initialize_parallel",
+    "logits_temperature",
     "nll_loss",
     "per_sample_logprobs",
+    "policy_step_loss",
     "prepare_micro_batch",
     "resolve_attention_backend",
     "seeded_init_",

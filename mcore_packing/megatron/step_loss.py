@@ -6,6 +6,7 @@ which global count its sum is divided by, and how one micro-batch contributes.
     forward_backward(..., loss=PerSequence(fn))      # fn(logprobs, mask) -> scalar, mean over sequences
     forward_backward(..., loss=PerSample(fn, normalization="token_mean"))   # fn(sample_id, logprobs, mask)
     forward_backward(..., loss=PerGroup(fn))         # fn(members) per group of the plan, mean over groups
+    forward_backward(..., loss=policy_step_loss(ClippedPGLoss(...)))  # PerSample or PerGroup, as it aggregates
 
 The NLL losses use the per-token weights of `thd.token_weights` on the packed row itself. The others run
 on the unpacked view (`prepare.per_sample_logprobs`: any mode, CP gathered): ``fn`` sees exactly the
@@ -23,7 +24,7 @@ averages over.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,7 @@ __all__ = [
     "StepLoss",
     "TokenMeanNLL",
     "nll_loss",
+    "policy_step_loss",
 ]
 
 DIVISORS = ("tokens", "sequences", "groups")
@@ -154,6 +156,29 @@ class PerGroup(StepLoss):
             for items in members.values():
                 total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
         return total / (self.global_count(totals) * process_groups.cp_size)
+
+
+def policy_step_loss(loss, sample_ids: Sequence[int] | None = None) -> StepLoss:
+    """The step loss of a per-sample policy loss (`mcore_packing.losses.ClippedPGLoss`) as its aggregation
+    asks: `PerSample` divided by the global response tokens (``token_mean``) or responses
+    (``sequence_mean``), or `PerGroup` over its ``group_loss`` divided by the global prompts
+    (``group_mean``: the plan must keep each prompt's responses in one micro-batch, ``plan_step(...,
+    groups=ids)``). ``sample_ids[j]`` is the loss's id of the step's sample ``j`` (a minibatch of a larger
+    batch); None: the same."""
+    if sample_ids is None:
+        fn, group_fn = loss, loss.group_loss
+    else:
+        ids = list(sample_ids)
+
+        def fn(sample_id, logprobs, mask):
+            return loss(ids[sample_id], logprobs, mask)
+
+        def group_fn(members):
+            return loss.group_loss([(ids[sample_id], logprobs, mask) for sample_id, logprobs, mask in members])
+
+    if loss.normalization == "group_mean":
+        return PerGroup(group_fn)
+    return PerSample(fn, normalization=loss.normalization)
 
 
 def _check_scalar(value, unit: str) -> torch.Tensor:

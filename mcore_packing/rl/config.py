@@ -17,7 +17,8 @@ class GRPOConfig:
 
     Each trainer step takes ``num_prompts_per_step`` groups (all responses to one prompt) from
     ``rollouts``, drawn like SFT samples (seeded order, epochs, resumable). The loss is the ``loss_fn``
-    group (`losses.ClippedPGConfig`). A plain (not frozen) dataclass: Hydra fills it."""
+    group (`losses.ClippedPGConfig`). Every pass scores the responses at ``temperature`` (the logits
+    divided by it, `megatron.logits_temperature`). A plain (not frozen) dataclass: Hydra fills it."""
 
     rollouts: str | None = None  # JSONL: prompt_tokens, response_tokens, reward, group_id[, generation_logprobs]
     num_prompts_per_step: int = 32
@@ -26,8 +27,14 @@ class GRPOConfig:
     normalize_rewards: bool = True  # divide advantages by the group's reward standard deviation
     keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass
     num_minibatches: int = 1  # optimizer steps per GRPO step, each on whole groups against the same old log-probs
+    temperature: float = 1.0  # the rollouts' sampling temperature (NeMo-RL: policy.generation.temperature)
 
     def __post_init__(self):
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not (t > 0 and t < float("inf")):
+            raise InvalidValue(
+                f"temperature={t!r} must be a finite number > 0: the temperature the rollouts were sampled at "
+                "(1: plain softmax). Greedy decoding has no log-probs to correct; use 1.", key="temperature")
         for name in ("num_prompts_per_step", "num_minibatches"):
             require_positive_int(name, getattr(self, name))
         if self.num_minibatches > self.num_prompts_per_step:

@@ -3,13 +3,15 @@
     check_rollouts -> rollout_samples + grpo_advantages            (losses.rollouts)
     log-prob pass  -> plan_step(forward_only, logprob_mb_tokens) -> compute_logprobs(policy), (reference)
     training pass  -> per minibatch (grpo.num_minibatches runs of whole groups): plan_step(train_mb_tokens)
-                      -> train_step(loss=PerSample(ClippedPGLoss)) -> optimizer, schedule
+                      -> train_step(loss=policy_step_loss(ClippedPGLoss)) -> optimizer, schedule
+    every pass     -> under logits_temperature(grpo.temperature)
 
 Its arguments are library types: a `megatron.Policy` (model, optimizer, schedule, process groups,
 device; `megatron.build_policy` builds it and its frozen reference), the planner's `StepPlanConfig`, and
 the torch-free settings `losses.ClippedPGConfig` and `rl.GRPOConfig`. Groups (the responses to one
 prompt) share a micro-batch of the log-prob pass when ``keep_groups_together`` (packing or dynamic
-batching); the training pass packs freely (the loss is per sample, its normalization global). The
+batching); the training pass packs freely (the loss is per sample, its normalization global), except
+under ``loss_agg_mode=prompt-mean``, whose groups share a micro-batch there too. The
 trainer (``algorithm=grpo``) runs this step per global batch of groups. Generation is the user's
 inference engine's job; this step takes its rollouts.
 """
@@ -23,7 +25,7 @@ from dataclasses import dataclass, replace
 from ..losses import ClippedPGConfig, ClippedPGLoss
 from ..losses.policy_gradient import METRIC_KEYS as PG_METRIC_KEYS
 from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, minibatches, rollout_samples
-from ..megatron import PerSample, Policy, StepOutcome, compute_logprobs, train_step
+from ..megatron import Policy, StepOutcome, compute_logprobs, logits_temperature, policy_step_loss, train_step
 from ..planning import StepPlan, StepPlanConfig, plan_step
 from .config import GRPOConfig
 from .metrics import sum_over_ranks
@@ -34,7 +36,9 @@ __all__ = ["RLStepResult", "rl_step"]
 @dataclass(frozen=True)
 class RLStepResult:
     """The step's loss (exact, every rank; with minibatches their mean), its metrics (clip fraction,
-    approximate KL, mean ratio, KL to the reference, entropy estimate, mean reward, grad norm), the
+    approximate KL, mean ratio, KL to the reference, the training/inference ratio ``gen_ratio`` and the
+    fractions of tokens whose importance weight was truncated or zeroed, entropy estimate, mean reward,
+    grad norm), the
     advantages, the seconds of each pass, the training pass's plan and `StepOutcome` (minibatches chained,
     for `MetricsLogger.log_step`), and each minibatch's loss."""
 
@@ -89,6 +93,7 @@ def rl_step(
             "reference=build_policy(shape, layout, ...) without an optimizer (the starting weights)."
         )
     check_rollouts(rollouts, grpo=True)
+    check_generation_logprobs(rollouts, loss)
     samples = rollout_samples(rollouts)
     lengths = [len(s.tokens) for s in samples]
     group_ids = [r.group_id for r in rollouts]
@@ -97,11 +102,13 @@ def rl_step(
     keep = group_ids if grpo.keep_groups_together else None  # plan_step refuses groups in padded mode
     start = time.perf_counter()
     logprob_plan = plan_step(lengths, plan_config, forward_only=True, groups=keep)
-    pgs, device = policy.process_groups, policy.device
-    old = compute_logprobs(policy.model, samples, logprob_plan, pgs, device=device)
+    pgs, device, temperature = policy.process_groups, policy.device, grpo.temperature
+    with logits_temperature(policy.model, temperature):
+        old = compute_logprobs(policy.model, samples, logprob_plan, pgs, device=device)
     reference_logprobs = None
     if loss.reference_policy_kl_penalty > 0:
-        reference_logprobs = compute_logprobs(reference.model, samples, logprob_plan, pgs, device=device)
+        with logits_temperature(reference.model, temperature):
+            reference_logprobs = compute_logprobs(reference.model, samples, logprob_plan, pgs, device=device)
     logprob_seconds = time.perf_counter() - start
     pg_loss = ClippedPGLoss(
         loss,
@@ -112,10 +119,13 @@ def rl_step(
         device=device,  # every side input on the device before the step: the loss copies nothing
     )
     plans, outcomes = [], []
-    for part in minibatches(group_ids, grpo.num_minibatches):  # the loss is per sample: groups may split here
-        plans.append(plan_step([lengths[i] for i in part], plan_config))
-        step_loss = PerSample(_in_minibatch(pg_loss, part), normalization=loss.normalization)
-        outcomes.append(train_step(policy, [samples[i] for i in part], plans[-1], loss=step_loss))
+    per_prompt = loss.normalization == "group_mean"  # prompt-mean: a prompt's responses share a micro-batch
+    for part in minibatches(group_ids, grpo.num_minibatches):  # else the loss is per sample: groups may split
+        groups = [group_ids[i] for i in part] if per_prompt else None
+        plans.append(plan_step([lengths[i] for i in part], plan_config, groups=groups))
+        with logits_temperature(policy.model, temperature):
+            outcomes.append(train_step(policy, [samples[i] for i in part], plans[-1],
+                                       loss=policy_step_loss(pg_loss, part)))  # fmt: skip
     outcome = _combined(outcomes)
     metrics = _reduce_metrics(pg_loss.metrics)
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
@@ -125,9 +135,19 @@ def rl_step(
                         outcome, [o.result.loss for o in outcomes])  # fmt: skip
 
 
-def _in_minibatch(pg_loss: ClippedPGLoss, part: list[int]):
-    """The per-sample loss of a minibatch: its sample ids are positions in ``part``."""
-    return lambda sample_id, logprobs, mask: pg_loss(part[sample_id], logprobs, mask)
+def check_generation_logprobs(rollouts: Sequence[Rollout], loss: ClippedPGConfig) -> None:
+    """The importance-sampling correction weighs every token by the inference engine's log-prob: a rollout
+    without them is refused, naming the key (not silently weighted 1)."""
+    if not loss.use_importance_sampling_correction:
+        return
+    missing = [i for i, r in enumerate(rollouts) if r.generation_logprobs is None]
+    if missing:
+        raise ValueError(
+            f"loss_fn.use_importance_sampling_correction=true weighs each token by the inference engine's "
+            f"log-prob, but {len(missing)} of {len(rollouts)} rollouts (e.g. rollout {missing[0]}, group "
+            f"{rollouts[missing[0]].group_id!r}) have no generation_logprobs. Have the engine return them, or set "
+            "loss_fn.use_importance_sampling_correction=false."
+        )
 
 
 def _combined(outcomes: list[StepOutcome]) -> StepOutcome:
@@ -165,7 +185,9 @@ def _entropy(old_logprobs, samples) -> float:
 
 def _reduce_metrics(sums: dict) -> dict:
     """Token-weighted means over every rank (TP, CP and the stages without a loss scale all counts alike)."""
-    tokens, clipped, kl, ratio, reference_kl = sum_over_ranks([sums[k] for k in PG_METRIC_KEYS])
-    tokens = max(tokens, 1.0)
-    return {"clip_fraction": clipped / tokens, "approx_kl": kl / tokens, "mean_ratio": ratio / tokens,
-            "reference_kl": reference_kl / tokens}  # fmt: skip
+    totals = dict(zip(PG_METRIC_KEYS, sum_over_ranks([sums[k] for k in PG_METRIC_KEYS]), strict=True))
+    tokens = max(totals.pop("tokens"), 1.0)
+    names = {"clipped": "clip_fraction", "approx_kl": "approx_kl", "ratio": "mean_ratio",
+             "reference_kl": "reference_kl", "gen_ratio": "gen_ratio", "is_truncated": "is_truncated_fraction",
+             "is_zeroed": "is_zeroed_fraction"}  # fmt: skip
+    return {names[k]: v / tokens for k, v in totals.items()}

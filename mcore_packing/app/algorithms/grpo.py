@@ -23,6 +23,11 @@ from . import RunData, StoreSamples, open_prepared, step_metrics
 
 def check_config(cfg) -> None:
     batched = cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled
+    if cfg.loss_fn.aggregation == "prompt-mean" and not batched:
+        raise ConfigError(
+            "loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one micro-batch: it needs "
+            "sequence_packing.enabled=true or dynamic_batching.enabled=true (or another loss_fn.loss_agg_mode)."
+        )
     if cfg.grpo.keep_groups_together and not batched:
         raise ConfigError(
             "grpo.keep_groups_together=true keeps a group in one micro-batch: it needs sequence_packing.enabled="
@@ -55,7 +60,26 @@ def load_data(cfg) -> RunData:
             f"grpo.num_prompts_per_step={grpo.num_prompts_per_step} is more than the {len(members)} groups in "
             f"{where}. Lower it, or write more rollouts."
         )
+    if cfg.loss_fn.use_importance_sampling_correction:
+        _check_generation_logprobs(data, where)
     return data
+
+
+def _check_generation_logprobs(data: RunData, where: str) -> None:
+    """The importance-sampling correction needs every rollout's generation log-probs (never weight 1 unsaid)."""
+    records = data.records
+    if isinstance(records, StoreRollouts):
+        missing = records.store.without_logprobs().tolist()
+        first = f" (e.g. rollout {missing[0]})" if missing else ""
+    else:
+        missing = [i for i, r in enumerate(records) if r.generation_logprobs is None]
+        first = f" (e.g. line {missing[0] + 1})" if missing else ""
+    if missing:
+        raise ConfigError(
+            f"loss_fn.use_importance_sampling_correction=true weighs each token by the inference engine's log-prob, "
+            f"but {len(missing)} of {len(records)} rollouts in {where} have no generation_logprobs{first}. Have the "
+            "engine write them, or set loss_fn.use_importance_sampling_correction=false."
+        )
 
 
 def _load_jsonl(cfg) -> RunData:
@@ -118,7 +142,16 @@ def sample_groups(data: RunData) -> list:
 
 def check_data(cfg, data: RunData, step_config) -> None:
     """With ``grpo.keep_groups_together`` every group must fit one micro-batch of the log-prob pass, and
-    every DP rank needs a group of its own."""
+    every DP rank needs a group of its own; with ``loss_fn.loss_agg_mode=prompt-mean`` every group must
+    fit one micro-batch of the training pass."""
+    if cfg.loss_fn.aggregation == "prompt-mean":
+        key = budget_key(step_config, forward_only=False, cfg=cfg)
+        try:
+            step_config.check_groups_fit(list(data.sample_lengths()), sample_groups(data), forward_only=False,
+                                         key=key)  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(f"{exc} (loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one "
+                              "micro-batch of the training pass.)") from None  # fmt: skip
     if not cfg.grpo.keep_groups_together:
         return
     prompts = cfg.grpo.num_prompts_per_step
