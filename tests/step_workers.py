@@ -164,9 +164,10 @@ def _init(tp=1, pp=1, cp=1, vpp=1):
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
 
-def sequence_logprobs(model, token_rows, temperature: float = 1.0) -> list:
+def sequence_logprobs(model, token_rows, temperature: float = 1.0, entropies: list | None = None) -> list:
     """Next-token log-probs of each sequence, one causal forward per sequence (the reference path), of
-    the logits divided by ``temperature``."""
+    the logits divided by ``temperature``; ``entropies`` (a list) gets each position's full-vocabulary
+    entropy -sum p log p, the whole [n, V] softmax at once."""
     out = []
     for tokens in token_rows:
         t = torch.as_tensor(tokens)
@@ -174,6 +175,9 @@ def sequence_logprobs(model, token_rows, temperature: float = 1.0) -> list:
         causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
         logits = model(t[None], torch.arange(n)[None], causal)[0] / temperature
         out.append(-F.cross_entropy(logits[:-1], t[1:], reduction="none"))
+        if entropies is not None:
+            log_p = torch.log_softmax(logits[:-1].double(), dim=-1)
+            entropies.append(-(log_p.exp() * log_p).sum(-1).float())
     return out
 
 
@@ -437,6 +441,10 @@ def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=
                     step_loss = _mask_width_loss(loss)
                 with temperature:
                     result = forward_backward(ddp, seq_samples, plan, pgs, device="cpu", loss=step_loss)
+                from mcore_packing.rl.metrics import sum_over_ranks
+
+                entropy_sum, tokens = sum_over_ranks([loss.metrics["entropy"], loss.metrics["tokens"]])
+                pg_entropy = entropy_sum / tokens
             elif cfg.get("dpo"):
                 group_ids = [s["group"] for s in samples]
                 if cfg.get("wrong_pairs"):  # negative control: pair each rejected with the next chosen
@@ -481,6 +489,7 @@ def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=
                 "cu_lengths": sorted(set(cu_lengths)),
                 "cp_fields": sorted(set(cp_fields), key=str),
                 "cp_sizes": plan.cp_size_counts() if cfg.get("dynamic_cp") else None,
+                "entropy": pg_entropy if cfg.get("pg") else None,
             }
         )
         ps.destroy_model_parallel()
@@ -584,15 +593,17 @@ def pg_reference_loss(logps, samples, *, ratio_clip_min, ratio_clip_max, ratio_c
                       use_importance_sampling_correction=False, loss_agg_mode=None, loss_agg_norm_constant=None,
                       policy_loss_mode="vanilla", sequence_level_importance_ratios=False,
                       truncated_importance_sampling_ratio=None, truncated_importance_sampling_ratio_min=None,
-                      truncated_importance_sampling_type="tis"):  # fmt: skip
+                      truncated_importance_sampling_type="tis", entropy_coeff=0.0, calculate_entropy=False,
+                      logprob_chunk_size=None, entropies=None):  # fmt: skip
     """The policy-gradient loss over the whole batch in plain torch, written independently of
     mcore_packing: ``logps[i]`` are sample i's next-token log-probs (a tensor), the rest are the samples'
-    fields (``group`` is the prompt of prompt-mean)."""
+    fields (``group`` is the prompt of prompt-mean); ``entropies[i]``: sample i's per-position entropy
+    (needed with ``entropy_coeff``)."""
     if sequence_level_importance_ratios:
         policy_loss_mode = "gspo"
     mode = loss_agg_mode or ("seq-mean-token-mean" if token_level_loss is False else "token-mean")
     sums, counts, groups = [], [], []
-    for lp, s in zip(logps, samples, strict=True):
+    for i, (lp, s) in enumerate(zip(logps, samples, strict=True)):
         mask = torch.tensor(s["loss_mask"][1:])
         old, ref, gen = (torch.tensor(s[k]) for k in ("old_logp", "ref_logp_tokens", "gen_logp"))
         a = torch.tensor(float(s["advantage"]))
@@ -626,6 +637,8 @@ def pg_reference_loss(logps, samples, *, ratio_clip_min, ratio_clip_max, ratio_c
                 geometric = ((old - gen) * mask).sum().div(n).exp()
                 w = torch.minimum(rho, torch.tensor(hi)) * float(lo <= float(geometric) <= hi)
             token = token * w
+        if entropy_coeff:
+            token = token - entropy_coeff * entropies[i]
         sums.append((token * mask).sum())
         counts.append(n)
         groups.append(s.get("group"))
@@ -661,11 +674,17 @@ def pg_reference_worker(rank, world_size, samples, pg_configs, temperatures=None
         state = {k: v.clone() for k, v in model.state_dict().items() if v is not None}
         for pg, temperature in zip(pg_configs, temperatures or [1.0] * len(pg_configs), strict=True):
             model.zero_grad()
-            logps = sequence_logprobs(model, [s["tokens"] for s in samples], temperature=temperature)
-            loss = pg_reference_loss(logps, samples, **pg)
+            entropies = []
+            logps = sequence_logprobs(model, [s["tokens"] for s in samples], temperature=temperature,
+                                      entropies=entropies)  # fmt: skip
+            loss = pg_reference_loss(logps, samples, **pg, entropies=entropies)
             loss.backward()
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            out.append({"loss": float(loss), "grads": grads, "logps": [lp.detach() for lp in logps]})
+            masked = [float((h.detach() * torch.tensor(s["loss_mask"][1:])).sum())
+                      for h, s in zip(entropies, samples, strict=True)]  # fmt: skip
+            mean_entropy = sum(masked) / sum(sum(s["loss_mask"][1:]) for s in samples)  # per response token
+            out.append({"loss": float(loss), "grads": grads, "logps": [lp.detach() for lp in logps],
+                        "entropy": mean_entropy})  # fmt: skip
         sampled = [_sample(model, *prompt) for prompt in sample_prompts or []]
     return {"state_dict": state, "pg": out, "sampled": sampled}
 

@@ -1,7 +1,8 @@
 """Every policy-gradient objective and aggregation mode is exact under packing, dynamic batching and
 every layout (issue #39): the loss aggregation modes (token-mean, seq-mean-token-mean,
 seq-mean-token-sum, seq-mean-token-sum-norm, prompt-mean), the training/inference corrections (TIS, ICEPOP,
-seq-TIS, seq-mask-TIS), GSPO, CISPO, dual clip and clip-higher, each at sampling temperature 1 and 0.7.
+seq-TIS, seq-mask-TIS), GSPO, CISPO, dual clip and clip-higher, the exact entropy (bonus and metric, chunked
+over 5 and 7 tokens), each at sampling temperature 1 and 0.7.
 
 Reference: Megatron's stock model, one sequence per forward, the logits divided by the temperature, the
 loss written out in plain torch (`step_workers.pg_reference_loss`: loops over samples and prompts, no code
@@ -26,30 +27,29 @@ ROLLOUTS = make_rollouts(num_groups=4, per_group=3, seed=9)
 CLIP = {"ratio_clip_min": 0.2, "ratio_clip_max": 0.28}  # clip-higher
 IS = {"use_importance_sampling_correction": True}
 CASES = {
-    "token-mean, TIS, KL k3": {**CLIP, **IS, "truncated_importance_sampling_ratio": 1.1,
-                               "reference_policy_kl_penalty": 0.05},
-    "seq-mean-token-sum, ICEPOP": {**CLIP, **IS, "loss_agg_mode": "seq-mean-token-sum",
-                                   "truncated_importance_sampling_type": "icepop",
-                                   "truncated_importance_sampling_ratio_min": 0.8,
-                                   "truncated_importance_sampling_ratio": 1.25},
-    "seq-mean-token-sum-norm, GSPO, seq-TIS": {"ratio_clip_min": 0.02, "ratio_clip_max": 0.03, **IS,
-                                               "loss_agg_mode": "seq-mean-token-sum-norm",
-                                               "loss_agg_norm_constant": 24.0,
-                                               "sequence_level_importance_ratios": True,
-                                               "truncated_importance_sampling_type": "seq-tis",
-                                               "truncated_importance_sampling_ratio": 2.0},
-    "seq-mean-token-mean, CISPO, seq-mask-TIS, KL k1": {**CLIP, **IS, "loss_agg_mode": "seq-mean-token-mean",
-                                                       "policy_loss_mode": "cispo",
-                                                       "truncated_importance_sampling_type": "seq-mask-tis",
-                                                       "truncated_importance_sampling_ratio_min": 0.9,
-                                                       "truncated_importance_sampling_ratio": 1.1,
-                                                       "reference_policy_kl_penalty": 0.05, "kl_estimator": "k1"},
-    "prompt-mean, dual clip, TIS": {**CLIP, **IS, "loss_agg_mode": "prompt-mean", "ratio_clip_c": 3.0,
-                                    "truncated_importance_sampling_ratio": 1.5},
-    "prompt-mean, GSPO (policy_loss_mode)": {"ratio_clip_min": 0.02, "ratio_clip_max": 0.03,
-                                             "loss_agg_mode": "prompt-mean", "policy_loss_mode": "gspo"},
+    "token-mean, TIS, KL k3, entropy bonus": {
+        **CLIP, **IS, "truncated_importance_sampling_ratio": 1.1, "reference_policy_kl_penalty": 0.05,
+        "entropy_coeff": 0.01, "logprob_chunk_size": 7},
+    "seq-mean-token-sum, ICEPOP": {
+        **CLIP, **IS, "loss_agg_mode": "seq-mean-token-sum", "truncated_importance_sampling_type": "icepop",
+        "truncated_importance_sampling_ratio_min": 0.8, "truncated_importance_sampling_ratio": 1.25},
+    "seq-mean-token-sum-norm, GSPO, seq-TIS, entropy metric": {
+        "ratio_clip_min": 0.02, "ratio_clip_max": 0.03, **IS, "loss_agg_mode": "seq-mean-token-sum-norm",
+        "loss_agg_norm_constant": 24.0, "sequence_level_importance_ratios": True,
+        "truncated_importance_sampling_type": "seq-tis", "truncated_importance_sampling_ratio": 2.0,
+        "calculate_entropy": True},
+    "seq-mean-token-mean, CISPO, seq-mask-TIS, KL k1, entropy bonus": {
+        **CLIP, **IS, "loss_agg_mode": "seq-mean-token-mean", "policy_loss_mode": "cispo",
+        "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio_min": 0.9,
+        "truncated_importance_sampling_ratio": 1.1, "reference_policy_kl_penalty": 0.05, "kl_estimator": "k1",
+        "entropy_coeff": 0.005, "logprob_chunk_size": 5},
+    "prompt-mean, dual clip, TIS": {
+        **CLIP, **IS, "loss_agg_mode": "prompt-mean", "ratio_clip_c": 3.0, "truncated_importance_sampling_ratio": 1.5},
+    "prompt-mean, GSPO (policy_loss_mode)": {
+        "ratio_clip_min": 0.02, "ratio_clip_max": 0.03, "loss_agg_mode": "prompt-mean", "policy_loss_mode": "gspo"},
 }  # fmt: skip
 NAMES = list(CASES)
+NO_ENTROPY_METRIC = {**CASES[NAMES[2]], "calculate_entropy": False}  # the metric changes no loss
 TEMPERATURES = (1.0, 0.7)
 # The reference's configs: every case at each temperature, then the controls' references.
 REFERENCE = [(name, t) for name in NAMES for t in TEMPERATURES]
@@ -91,11 +91,13 @@ def _check(result: dict, reference: dict, table: list) -> None:
     cfg = result["config"]
     ref = reference["by_case"][(cfg["case"], cfg["temperature"])]
     loss_error, grad_error = _errors(result, ref)
-    layout = ", ".join(f"{k}={cfg[k]}" for k in ("tp", "pp", "cp", "dynamic_cp") if k in cfg)
+    layout = ", ".join(f"{k}={cfg[k]}" for k in ("tp", "sp", "pp", "cp", "dynamic_cp") if k in cfg)
     layout = layout or cfg.get("label", "1 rank")
     table.append(f"| {cfg['case']} | T={cfg['temperature']} | {cfg['mode']} | {layout} | {loss_error:.1e} | "
                  f"{grad_error:.1e} |")  # fmt: skip
     assert loss_error <= 1e-5 and grad_error <= 1e-5, table[-1]
+    if cfg["pg"].get("entropy_coeff") or cfg["pg"].get("calculate_entropy"):  # the exact entropy, chunked
+        assert abs(result["entropy"] - ref["entropy"]) <= 1e-5 * ref["entropy"], (result["entropy"], ref["entropy"])
 
 
 def _sampled_ratio_error(result: dict, reference: dict) -> float:
@@ -129,15 +131,17 @@ def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference):
     configs = [_config(name, t, mode=mode) for name in NAMES for t in TEMPERATURES for mode in ("packing", "dynamic")]
     configs += [_config(name, t, train_mb_tokens=32) for name in NAMES for t in TEMPERATURES]
     controls = [
-        ("aggregation: the mask-width divisor", {**_config(NAMES[2], 1.0), "negative_pg": "mask_width"}),
+        ("aggregation: the mask-width divisor", {**_config(NAMES[2], 1.0), "negative_pg": "mask_width",
+                                                 "pg": NO_ENTROPY_METRIC}),
         ("aggregation: the mask-width divisor, half budget",
-         {**_config(NAMES[2], 1.0, train_mb_tokens=32), "negative_pg": "mask_width"}),
+         {**_config(NAMES[2], 1.0, train_mb_tokens=32), "negative_pg": "mask_width", "pg": NO_ENTROPY_METRIC}),
         ("off-policy: ICEPOP's weights unmasked", {**_config(NAMES[1], 1.0), "pg": {
             **CASES[NAMES[1]], "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": None,
             "truncated_importance_sampling_ratio_min": None}}),
         ("GSPO: token ratios", {**_config(NAMES[2], 1.0), "pg": {**CASES[NAMES[2]],
                                                                    "sequence_level_importance_ratios": False}}),
         ("temperature: scored at 1", {**_config(NAMES[0], 1.0), "case_temperature": 0.7}),
+        ("entropy: the bonus left out", {**_config(NAMES[0], 1.0), "pg": {**CASES[NAMES[0]], "entropy_coeff": 0.0}}),
     ]  # fmt: skip
     logprob_configs = [{"mode": mode, "logprobs": True, "temperature": t, "train_mb_tokens": 64, "pg": None}
                        for mode, t in (("packing", 0.7), ("dynamic", 0.7), ("packing", 1.0))]  # fmt: skip

@@ -3,8 +3,8 @@ as the trainer's ``loss_fn`` config group).
 
 Key names: NeMo-RL's where NeMo-RL has the option (ratio_clip_*, reference_policy_kl_penalty,
 token_level_loss, use_importance_sampling_correction, truncated_importance_sampling_*,
-sequence_level_importance_ratios); verl's where only verl has it (loss_agg_mode, policy_loss_mode);
-ours otherwise (loss_agg_norm_constant, kl_estimator).
+sequence_level_importance_ratios, logprob_chunk_size); verl's where only verl has it (loss_agg_mode,
+policy_loss_mode, entropy_coeff, calculate_entropy); ours otherwise (loss_agg_norm_constant, kl_estimator).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..validators import InvalidValue, require_choice
+from ..validators import InvalidValue, require_choice, require_positive_int
 
 __all__ = ["IS_TYPES", "KL_ESTIMATORS", "LOSS_AGG_MODES", "POLICY_LOSS_MODES", "ClippedPGConfig"]
 
@@ -64,6 +64,9 @@ class ClippedPGConfig:
     truncated_importance_sampling_ratio: float | None = None  # upper bound (null: untruncated, type tis only)
     truncated_importance_sampling_ratio_min: float | None = None  # lower bound (icepop, seq-mask-tis)
     truncated_importance_sampling_type: str = "tis"
+    entropy_coeff: float = 0.0  # verl: > 0 subtracts entropy_coeff x the policy's exact token entropy (a bonus)
+    calculate_entropy: bool = False  # verl: report the exact entropy (on whenever entropy_coeff > 0)
+    logprob_chunk_size: int = 1024  # NeMo-RL: tokens whose fp32 logits the entropy holds at once
 
     def __post_init__(self):
         for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
@@ -77,6 +80,8 @@ class ClippedPGConfig:
             message = f"ratio_clip_c={self.ratio_clip_c!r} must be > 1 (null/None: no dual clip)."
             raise InvalidValue(message, key="ratio_clip_c")
         require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _number("entropy_coeff", self.entropy_coeff, at_least=0)
+        require_positive_int("logprob_chunk_size", self.logprob_chunk_size)
         self._check_aggregation()
         self._check_policy_loss()
         self._check_importance_sampling()
@@ -164,6 +169,11 @@ class ClippedPGConfig:
     def objective(self) -> str:
         """The policy loss in force: vanilla, gspo or cispo."""
         return "gspo" if self.sequence_level_importance_ratios else self.policy_loss_mode
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the step computes the exact token entropy (a bonus, or a metric)."""
+        return self.entropy_coeff > 0 or bool(self.calculate_entropy)
 
     @property
     def normalization(self) -> str:

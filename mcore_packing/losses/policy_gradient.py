@@ -10,9 +10,11 @@ sampling temperature, `megatron.logits_temperature`), the advantage A, and ``m``
     cispo    pg = -A sg(clamp(r, 1 - ratio_clip_min, 1 + ratio_clip_max)) exp(lp - sg(lp))
              (value -A clamp(r); gradient -A clamp(r) grad lp: no token is cut off by the clip)
     kl       k3: exp(ref - lp) - (ref - lp) - 1,  k1: lp - ref               (reference_policy_kl_penalty > 0)
-    loss_t   = w_t (pg + reference_policy_kl_penalty kl)
+    loss_t   = w_t (pg + reference_policy_kl_penalty kl) - entropy_coeff H_t
              w_t: the importance weight of the training/inference mismatch (`pg_config.IS_TYPES`, from
              rho = exp(old - generation log-prob); no gradient), 1 without the correction
+             H_t: the policy's exact entropy at the token's position (`megatron.entropy`, chunked), when
+             entropy_coeff > 0 or calculate_entropy
 
 Aggregation (`pg_config.LOSS_AGG_MODES`) is one sum over the global batch divided by one global count
 (`step_loss`): the sample's token sum (token-mean, seq-mean-token-sum), its token mean
@@ -38,8 +40,10 @@ __all__ = ["METRIC_KEYS", "ClippedPGLoss"]
 # Per-step sums over the response tokens: clipped (ratio outside the clip range), approx_kl (k3 of old vs
 # new), ratio (new / old), reference_kl (with the KL penalty), gen_ratio (rho = old / generation
 # probability: the training/inference mismatch, 1 where no generation log-probs were given), is_truncated
-# and is_zeroed (tokens whose importance weight the correction truncated or set to 0).
-METRIC_KEYS = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl", "gen_ratio", "is_truncated", "is_zeroed")
+# and is_zeroed (tokens whose importance weight the correction truncated or set to 0), entropy (the exact
+# token entropy, when computed).
+METRIC_KEYS = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl", "gen_ratio", "is_truncated", "is_zeroed",
+               "entropy")
 
 KL = torch.Tensor | None  # the per-token KL estimate to the reference, when the KL penalty is on
 
@@ -90,16 +94,27 @@ class ClippedPGLoss:
         return self.config.normalization
 
     @property
+    def needs_entropy(self) -> bool:
+        """Whether the step must hand each call the sample's per-token entropy (``entropy=``)."""
+        return self.config.needs_entropy
+
+    @property
+    def entropy_chunk_tokens(self) -> int:
+        return self.config.logprob_chunk_size
+
+    @property
     def metrics(self) -> dict:
         """The per-step sums of `METRIC_KEYS` (read to the host once: call it after the step)."""
         values = self._sums.tolist() if self._sums is not None else [0.0] * len(METRIC_KEYS)
         return dict(zip(METRIC_KEYS, values, strict=True))
 
-    def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor,
+                 entropy: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """One sample's share before the global count: its token sum, token mean (seq-mean-token-mean) or
-        token sum over ``loss_agg_norm_constant`` (seq-mean-token-sum-norm)."""
+        token sum over ``loss_agg_norm_constant`` (seq-mean-token-sum-norm). ``entropy``: the policy's
+        per-token entropy (needed when `needs_entropy`)."""
         weights = mask.float()
-        total = self.token_sum(sample_id, logprobs, weights)
+        total = self.token_sum(sample_id, logprobs, weights, entropy)
         aggregation = self.config.aggregation
         if aggregation == "seq-mean-token-mean":
             return total / weights.sum().clamp_min(1)
@@ -111,18 +126,25 @@ class ClippedPGLoss:
         """prompt-mean: the token mean over every response of one prompt (``members``: `PerGroup`'s
         ``[(sample_id, logprobs, mask), ...]``)."""
         total = count = None
-        for sample_id, logprobs, mask in members:
+        for sample_id, logprobs, mask, *entropy in members:
             weights = mask.float()
-            part = self.token_sum(sample_id, logprobs, weights)
+            part = self.token_sum(sample_id, logprobs, weights, entropy[0] if entropy else None)
             total = part if total is None else total + part
             count = weights.sum() if count is None else count + weights.sum()
         return total / count.clamp_min(1)
 
-    def token_sum(self, sample_id: int, logprobs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def token_sum(self, sample_id: int, logprobs: torch.Tensor, weights: torch.Tensor,
+                  entropy: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The sample's loss summed over its response tokens (``weights``: the float mask); records the
         sample's metrics."""
+        if self.needs_entropy and entropy is None:
+            raise ValueError("entropy_coeff > 0 or calculate_entropy needs each sample's entropy: build the step "
+                             "loss with megatron.policy_step_loss (it asks the step for the entropies).")
         per_token, log_ratio, kl, is_stats = self.per_token(sample_id, logprobs, weights)
-        self._record(log_ratio.detach(), None if kl is None else kl.detach(), weights, is_stats)
+        if entropy is not None and self.config.entropy_coeff > 0:
+            per_token = per_token - self.config.entropy_coeff * entropy.float()
+        self._record(log_ratio.detach(), None if kl is None else kl.detach(), weights, is_stats,
+                     None if entropy is None else entropy.detach())  # fmt: skip
         return (per_token * weights).sum()
 
     def _row(self, rows, sample_id: int, like: torch.Tensor) -> torch.Tensor:
@@ -185,7 +207,8 @@ class ClippedPGLoss:
         keep = ((mean >= low) & (mean <= high)).expand_as(rho)
         return torch.where(keep, torch.clamp(rho, max=high), torch.zeros_like(rho)), keep & (rho > high), ~keep
 
-    def _record(self, log_ratio: torch.Tensor, kl: torch.Tensor | None, weights: torch.Tensor, is_stats) -> None:
+    def _record(self, log_ratio: torch.Tensor, kl: torch.Tensor | None, weights: torch.Tensor, is_stats,
+                entropy: torch.Tensor | None) -> None:  # fmt: skip
         """Adds this sample's sums on the device (no host copy: the step reads `metrics` once at its end)."""
         if not recording():  # another rank of this micro-batch's CP group records it
             return
@@ -202,6 +225,7 @@ class ClippedPGLoss:
             (rho * weights).sum() if rho is not None else weights.sum(),
             (truncated.float() * weights).sum() if truncated is not None else zero,
             (zeroed.float() * weights).sum() if zeroed is not None else zero,
+            (entropy.float() * weights).sum() if entropy is not None else zero,
         ]).double()  # fmt: skip
         self._sums = sums if self._sums is None else self._sums + sums
 

@@ -24,6 +24,7 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`;
   `policy_step_loss` (a policy loss as its aggregation asks).
 - `temperature`: `logits_temperature`, log-probs at the sampling temperature.
+- `entropy`: `vocab_parallel_entropy` / `capture_entropy`, the policy's exact token entropy, chunked.
 - `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
 - `policy`: `Policy` (model chunks, optimizer, schedule, process groups, device) and `build_policy`, the
   one builder of a policy and of its frozen reference.

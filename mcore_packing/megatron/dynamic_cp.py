@@ -44,7 +44,7 @@ from ._patches.rope_cp_group import rope_cp_group
 from .packed_seq import bshd_cp_params
 from .prepare import count_targets, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
-from .step_loss import StepLoss
+from .step_loss import StepLoss, entropy_for, micro_batch_share
 
 __all__ = ["compute_logprobs_dynamic_cp", "forward_backward_dynamic_cp"]
 
@@ -76,7 +76,7 @@ def forward_backward_dynamic_cp(
 
     def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
         return megatron_loss_output(
-            loss.micro_batch_sum(prep, output, row_groups, totals),
+            micro_batch_share(loss, prep, output, row_groups, totals, capture),
             local_valid_tokens=prep.local_valid_tokens,
             totals=totals,
             dp_size=process_groups.dp_size,
@@ -84,7 +84,8 @@ def forward_backward_dynamic_cp(
             calculate_per_token_loss=per_token,
         )
 
-    store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only)
+    with entropy_for(loss, model, process_groups) as capture:
+        store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only)
     return StepResult(
         loss=_step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,

@@ -45,7 +45,7 @@ from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
 from .router_loss import attached_router_loss
-from .step_loss import StepLoss, TokenMeanNLL
+from .step_loss import StepLoss, TokenMeanNLL, entropy_for, micro_batch_share
 
 __all__ = ["StepResult", "compute_logprobs", "forward_backward"]
 
@@ -113,7 +113,7 @@ def forward_backward(
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
         return megatron_loss_output(
-            loss.micro_batch_sum(prep, output, process_groups, totals),
+            micro_batch_share(loss, prep, output, process_groups, totals, capture),
             local_valid_tokens=prep.local_valid_tokens,
             totals=totals,
             dp_size=process_groups.dp_size,
@@ -122,7 +122,8 @@ def forward_backward(
         )
 
     try:
-        store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only)
+        with entropy_for(loss, model, process_groups) as capture:
+            store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only)
     finally:
         for router_loss in router_losses:
             router_loss.end_step()

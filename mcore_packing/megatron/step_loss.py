@@ -24,6 +24,7 @@ averages over.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,15 +54,19 @@ class StepLoss:
     - ``token_weights``: the `LossNormalization` of the per-token weights the micro-batches carry, or None
       when the loss does not read them (its own per-sample values);
     - ``divisor``: one of `DIVISORS`, the global count the loss's sum is divided by;
-    - ``micro_batch_sum(prep, output, process_groups, totals)``: this rank's share of the step loss from
-      one micro-batch (``output``: Megatron's per-token losses of this CP shard).
+    - ``micro_batch_sum(prep, output, process_groups, totals, entropy=None)``: this rank's share of the
+      step loss from one micro-batch (``output``: Megatron's per-token losses of this CP shard;
+      ``entropy``: the policy's per-token entropy in the same layout, when ``needs_entropy``).
     """
 
     token_weights: LossNormalization | None = None
     divisor: str = "tokens"
     needs_plan_groups: bool = False
+    needs_entropy: bool = False  # the policy's per-token entropy (`megatron.entropy`), passed as ``entropy=``
+    entropy_chunk_tokens: int = 1024
 
-    def micro_batch_sum(self, prep: PreparedMicroBatch, output: torch.Tensor, process_groups, totals: StepTotals):
+    def micro_batch_sum(self, prep: PreparedMicroBatch, output: torch.Tensor, process_groups, totals: StepTotals,
+                        entropy: torch.Tensor | None = None):  # fmt: skip
         raise NotImplementedError
 
     def global_count(self, totals: StepTotals) -> int:
@@ -73,7 +78,7 @@ class StepLoss:
 class _WeightedNLL(StepLoss):
     """The NLL weighted per token on the packed row itself (the weights already hold the divisor)."""
 
-    def micro_batch_sum(self, prep, output, process_groups, totals):
+    def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
         return (output.float() * prep.weights).sum()
 
 
@@ -107,7 +112,7 @@ class PerSequence(StepLoss):
     fn: Callable
     divisor = "sequences"
 
-    def micro_batch_sum(self, prep, output, process_groups, totals):
+    def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
         fn = self.fn
         return _share_of_sum(
             prep, output, lambda _, lp, mask: fn(lp, mask), process_groups, self.global_count(totals), "sequence"
@@ -124,6 +129,8 @@ class PerSample(StepLoss):
 
     fn: Callable
     normalization: str = "token_mean"
+    needs_entropy: bool = False  # fn then gets each sample's per-token entropy too: fn(..., entropy=row)
+    entropy_chunk_tokens: int = 1024
 
     def __post_init__(self):
         LossNormalization(self.normalization)  # raises on an unknown name
@@ -132,8 +139,9 @@ class PerSample(StepLoss):
     def divisor(self) -> str:
         return "tokens" if LossNormalization(self.normalization) is LossNormalization.TOKEN_MEAN else "sequences"
 
-    def micro_batch_sum(self, prep, output, process_groups, totals):
-        return _share_of_sum(prep, output, self.fn, process_groups, self.global_count(totals), "sample")
+    def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
+        return _share_of_sum(prep, output, self.fn, process_groups, self.global_count(totals), "sample",
+                             entropy=entropy)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -143,13 +151,15 @@ class PerGroup(StepLoss):
     groups. Needs a plan made with ``groups=`` (a group shares one micro-batch)."""
 
     fn: Callable
+    needs_entropy: bool = False  # members then carry each sample's entropy row: (id, logprobs, mask, entropy)
+    entropy_chunk_tokens: int = 1024
     divisor = "groups"
     needs_plan_groups = True
 
-    def micro_batch_sum(self, prep, output, process_groups, totals):
+    def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
         group_ids = prep.group_ids
         members: dict = {}
-        for item in per_sample_logprobs(prep, output, process_groups):
+        for item in _rows(prep, output, process_groups, entropy):
             members.setdefault(group_ids[item[0]], []).append(item)
         total = output.new_zeros((), dtype=torch.float32)
         with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group
@@ -170,15 +180,16 @@ def policy_step_loss(loss, sample_ids: Sequence[int] | None = None) -> StepLoss:
     else:
         ids = list(sample_ids)
 
-        def fn(sample_id, logprobs, mask):
-            return loss(ids[sample_id], logprobs, mask)
+        def fn(sample_id, logprobs, mask, **entropy):
+            return loss(ids[sample_id], logprobs, mask, **entropy)
 
         def group_fn(members):
-            return loss.group_loss([(ids[sample_id], logprobs, mask) for sample_id, logprobs, mask in members])
+            return loss.group_loss([(ids[item[0]], *item[1:]) for item in members])
 
+    entropy = {"needs_entropy": loss.needs_entropy, "entropy_chunk_tokens": loss.entropy_chunk_tokens}
     if loss.normalization == "group_mean":
-        return PerGroup(group_fn)
-    return PerSample(fn, normalization=loss.normalization)
+        return PerGroup(group_fn, **entropy)
+    return PerSample(fn, normalization=loss.normalization, **entropy)
 
 
 def _check_scalar(value, unit: str) -> torch.Tensor:
@@ -191,13 +202,44 @@ def _check_scalar(value, unit: str) -> torch.Tensor:
     return value
 
 
-def _share_of_sum(prep, output, fn: Callable, process_groups, divisor: int, unit: str) -> torch.Tensor:
-    """``fn(sample_id, logprobs, mask)`` summed over the samples with at least one target, divided by
-    ``divisor`` and by CP."""
-    total = output.new_zeros((), dtype=torch.float32)
+def _rows(prep, output, process_groups, entropy) -> list[tuple]:
+    """`per_sample_logprobs`, each row with its entropy row appended when ``entropy`` is given (the same
+    CP gather and split: entropies travel like negated losses)."""
     rows = per_sample_logprobs(prep, output, process_groups)
+    if entropy is None:
+        return rows
+    entropies = per_sample_logprobs(prep, -entropy, process_groups)
+    return [(*row, h) for row, (_, h, _) in zip(rows, entropies, strict=True)]
+
+
+def _share_of_sum(prep, output, fn: Callable, process_groups, divisor: int, unit: str, entropy=None) -> torch.Tensor:
+    """``fn(sample_id, logprobs, mask[, entropy=row])`` summed over the samples with at least one target,
+    divided by ``divisor`` and by CP."""
+    total = output.new_zeros((), dtype=torch.float32)
+    rows = _rows(prep, output, process_groups, entropy)
     with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group (`losses.recording`)
-        for (sample_id, logprobs, mask), targets in zip(rows, prep.target_counts, strict=True):
+        for row, targets in zip(rows, prep.target_counts, strict=True):
             if targets:  # counted on the host when the micro-batch was built: no device sync
-                total = total + _check_scalar(fn(sample_id, logprobs, mask), unit)
+                value = fn(*row[:3]) if entropy is None else fn(*row[:3], entropy=row[3])
+                total = total + _check_scalar(value, unit)
     return total / (divisor * process_groups.cp_size)
+
+
+@contextlib.contextmanager
+def entropy_for(loss: StepLoss, model, process_groups):
+    """The micro-batches' entropies when ``loss.needs_entropy`` (`megatron.entropy.capture_entropy` over
+    the TP group), else None; `micro_batch_share` takes them in order."""
+    if not getattr(loss, "needs_entropy", False):
+        yield None
+        return
+    from .entropy import capture_entropy
+
+    with capture_entropy(model, process_groups.tp, loss.entropy_chunk_tokens) as capture:
+        yield capture
+
+
+def micro_batch_share(loss: StepLoss, prep, output, process_groups, totals, capture) -> torch.Tensor:
+    """``loss.micro_batch_sum`` of one micro-batch, with its entropy when the loss needs it."""
+    if capture is None:
+        return loss.micro_batch_sum(prep, output, process_groups, totals)
+    return loss.micro_batch_sum(prep, output, process_groups, totals, entropy=capture.pop())

@@ -22,7 +22,8 @@ import math
 __all__ = ["logits_temperature"]
 
 
-def _output_layers(model) -> list:
+def output_layers(model) -> list:
+    """The output layers of ``model``'s chunks (unwrapped from DDP and friends) that compute logits."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     layers = []
     for chunk in chunks:
@@ -53,7 +54,7 @@ def logits_temperature(model, temperature: float):
             return (output[0] * scale, *output[1:])
         return output * scale
 
-    handles = [layer.register_forward_hook(divide) for layer in _output_layers(model)]
+    handles = [layer.register_forward_hook(divide) for layer in output_layers(model)]
     try:
         yield
     finally:

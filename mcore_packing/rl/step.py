@@ -128,6 +128,8 @@ def rl_step(
                                        loss=policy_step_loss(pg_loss, part)))  # fmt: skip
     outcome = _combined(outcomes)
     metrics = _reduce_metrics(pg_loss.metrics)
+    if not loss.needs_entropy:
+        del metrics["entropy"]  # not computed: entropy_estimate is the free one
     metrics.update(grad_norm=outcome.grad_norm, update_applied=outcome.updated, entropy_estimate=_entropy(old, samples),
                    mean_reward=sum(r.reward for r in rollouts) / len(rollouts))  # fmt: skip
     plan = plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)  # StepPlan or DynamicCPPlan
@@ -189,5 +191,5 @@ def _reduce_metrics(sums: dict) -> dict:
     tokens = max(totals.pop("tokens"), 1.0)
     names = {"clipped": "clip_fraction", "approx_kl": "approx_kl", "ratio": "mean_ratio",
              "reference_kl": "reference_kl", "gen_ratio": "gen_ratio", "is_truncated": "is_truncated_fraction",
-             "is_zeroed": "is_zeroed_fraction"}  # fmt: skip
+             "is_zeroed": "is_zeroed_fraction", "entropy": "entropy"}  # fmt: skip
     return {names[k]: v / tokens for k, v in totals.items()}
