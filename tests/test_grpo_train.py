@@ -23,6 +23,10 @@ GRPO = [
     "grpo.keep_groups_together=true",
     "loss_fn.reference_policy_kl_penalty=0.05",
     "loss_fn.ratio_clip_max=0.28",
+    # #39's keys through the command: an aggregation mode, the sampling temperature, the exact entropy bonus
+    "loss_fn.loss_agg_mode=seq-mean-token-sum",
+    "grpo.temperature=0.8",
+    "loss_fn.entropy_coeff=0.001",
     "optimizer.lr_warmup_iters=0",
     "optimizer.lr_decay_style=constant",  # a schedule that does not depend on training.steps (resume extends it)
     "optimizer.lr=0.003",
@@ -63,6 +67,7 @@ def test_each_step_takes_whole_groups_and_logs_the_rl_metrics(straight_run, roll
         assert record["mean_ratio"] == pytest.approx(1.0, abs=1e-5)  # one update per batch: on-policy
         # -log p of the sampled tokens under a fresh model over 128 ids is about log(128) = 4.85
         assert 4.0 < record["entropy_estimate"] < 6.0
+        assert 4.0 < record["entropy"] < np.log(128)  # the exact entropy, at most the uniform distribution's
         assert record["logprob_pass_s"] > 0 and record["train_pass_s"] > 0
     assert straight_run[0]["reference_kl"] == pytest.approx(0.0, abs=1e-7)  # policy == reference at step 1
     assert all(r["reference_kl"] > 1e-6 for r in straight_run[1:])  # the updates moved the policy away
