@@ -141,8 +141,8 @@ def inside_forward_steps(around):
 
     original, seen = schedule._forward_step, []
 
-    def forward_step_factory(loss_func, process_groups):
-        inner = original(loss_func, process_groups)
+    def forward_step_factory(loss_func, process_groups, **options):
+        inner = original(loss_func, process_groups, **options)
 
         def forward_step(data_iterator, model_chunk):
             with around():

@@ -49,7 +49,12 @@ def _cases(policy, reference, layout):
     lengths = [len(s.tokens) for s in samples]
     pairs = _samples(2, 8)
     pgs, device = policy.process_groups, policy.device
-    pg = ClippedPGConfig(reference_policy_kl_penalty=0.05, ratio_clip_c=3.0, use_importance_sampling_correction=True)
+    # #39's per-sample work in the hot path too: the sequence-masked correction, a constant-divisor
+    # aggregation, the exact entropy bonus (vocabulary-parallel, chunked), the sampling temperature
+    pg = ClippedPGConfig(reference_policy_kl_penalty=0.05, ratio_clip_c=3.0, use_importance_sampling_correction=True,
+                         truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=2.0,
+                         truncated_importance_sampling_ratio_min=0.5, loss_agg_mode="seq-mean-token-sum-norm",
+                         loss_agg_norm_constant=32.0, entropy_coeff=0.01, logprob_chunk_size=16)  # fmt: skip
     cases = []
     for mode in ("packing", "dynamic"):
         config = StepPlanConfig(mode=mode, train_mb_tokens=96, logprob_mb_tokens=128, layout=layout)
@@ -62,7 +67,7 @@ def _cases(policy, reference, layout):
                                                                           loss=SequenceMeanNLL(), device=device)),
             (f"logprobs {mode}", lambda p=logprob_plan: compute_logprobs(policy.model, samples, p, pgs, device=device)),
             (f"grpo {mode}", lambda c=config: rl_step(policy, _rollouts(3), c, loss=pg, reference=reference,
-                                                      grpo=GRPOConfig(keep_groups_together=True))),
+                                                      grpo=GRPOConfig(keep_groups_together=True, temperature=0.8))),
             (f"dpo {mode}", lambda c=config: dpo_step(policy, reference, pairs, c, dpo=DPOConfig())),
         ]  # fmt: skip
     return cases

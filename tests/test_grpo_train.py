@@ -150,7 +150,7 @@ def _write(path, rows):
         (None, ["grpo.num_minibatches=4"], "grpo.num_minibatches=4 is more than num_prompts_per_step=3"),
         (None, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c=0.5 must be > 1"),
         (None, ["loss_fn.kl_estimator=k2"], "loss_fn.kl_estimator must be one of k1, k3"),
-        (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo, dpo"),
+        (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo, dpo, rm"),
     ],
 )
 def test_bad_rollouts_and_settings_exit_2_naming_the_fix(tmp_path, rollouts_file, change, overrides, fragment):

@@ -1,7 +1,7 @@
 """The trainer's structured configuration: one dataclass per Hydra group, each validated when it is built.
 
 Groups (YAML in ``hydra_configs/<group>/``): model, optimizer, data, sequence_packing, dynamic_batching,
-parallel, context_parallel, training, logging, cluster, grpo, loss_fn, dpo. Keys of ``sequence_packing``,
+parallel, context_parallel, training, logging, cluster, grpo, loss_fn, dpo, rm. Keys of ``sequence_packing``,
 ``dynamic_batching``, ``grpo``, ``loss_fn`` and ``dpo`` are NeMo-RL's; those groups are the lower layers'
 own torch-free dataclasses (`planning.sections`, `rl.config`, `losses.ClippedPGConfig`), and ``model`` is
 generated from `planning.ModelShape`, so each key is declared once. The same dataclasses are registered in
@@ -26,7 +26,7 @@ from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlan
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
-from ..rl.config import DPOConfig, GRPOConfig
+from ..rl.config import DPOConfig, GRPOConfig, RMConfig
 from ..validators import InvalidValue, require_choice, require_positive_int
 from .algorithms import ALGORITHMS
 from .run_names import default_run_dir
@@ -48,6 +48,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "ParallelConfig",
+    "RMConfig",
     "SequencePackingConfig",
     "TrainConfig",
     "TrainingConfig",
@@ -381,7 +382,9 @@ class TrainConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     loss_fn: ClippedPGConfig = field(default_factory=ClippedPGConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
-    algorithm: str = "sft"  # sft (NLL on data.*) | grpo (clipped PG on grpo.rollouts) | dpo (on dpo.pairs)
+    rm: RMConfig = field(default_factory=RMConfig)
+    # sft (NLL on data.*) | grpo (clipped PG on grpo.rollouts) | dpo (on dpo.pairs) | rm (reward model on rm.pairs)
+    algorithm: str = "sft"
     run_name: str = "sft-tiny"
     # null: outputs/<run_name>/<job<SLURM_JOB_ID> or launcher start time> (app.run_names; the same on every rank)
     run_dir: str | None = None
@@ -421,6 +424,7 @@ GROUPS = {
     "grpo": GRPOConfig,
     "loss_fn": ClippedPGConfig,
     "dpo": DPOConfig,
+    "rm": RMConfig,
 }
 
 

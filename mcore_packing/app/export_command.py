@@ -14,7 +14,10 @@ the model at TP1/PP1 (torch.distributed with a world of one, gloo), loads the di
 it (Megatron joins the TP shards and pipeline stages, whatever layout wrote them), converts the names
 (`megatron.hf_weights.merge_to_hf`) and writes config.json, safetensors shards with their index and the
 tokenizer files of the folder the run was imported from. It needs memory for the whole model. The model
-must be one of the Hugging Face families (a run with ``model.hf_path``, or a recipe's family).
+must be one of the Hugging Face families (a run with ``model.hf_path``, or a recipe's family). A reward
+model (``algorithm=rm``) is written as the family's ``*ForSequenceClassification`` with one label:
+``score.weight`` instead of ``lm_head.weight`` (transformers reads the score at each sequence's last
+non-padding token; set ``pad_token_id`` in config.json to score padded batches).
 """
 
 from __future__ import annotations
@@ -64,15 +67,16 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str | N
             f"({', '.join(sorted(HF_FAMILIES))}: model.hf_path, or a recipe's model) export."
         )
     dtype = dtype or manifest["config"]["model"]["dtype"]
+    head = "reward" if manifest["config"].get("algorithm") == "rm" else "lm"  # a reward model: its score head
     init_distributed("gloo")
     with cpu_device_adapter(force=True):
         initialize_parallel(seed=0)
         trained_dtype = getattr(torch, manifest["config"]["model"]["dtype"])
-        model, _ = build_gpt_model(shape, dtype=trained_dtype, device="cpu")
+        model, _ = build_gpt_model(shape, dtype=trained_dtype, device="cpu", head=head)
         load_training_state(folder, model, None, restore_rng=False)
     layers = [layer.layer_number - 1 for layer in model.module.decoder.layers]
     hf = merge_to_hf({(0, 0): model.module.state_dict()}, {0: layers}, shape)
-    return save_hf_folder(hf, shape, out, source=manifest["hf_path"], dtype=dtype, overwrite=overwrite)
+    return save_hf_folder(hf, shape, out, source=manifest["hf_path"], dtype=dtype, overwrite=overwrite, head=head)
 
 
 def main(argv: list[str] | None = None) -> int:

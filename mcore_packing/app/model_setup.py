@@ -93,6 +93,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None, 
     import torch
 
     from ..megatron import build_policy
+    from .algorithms import get_algorithm
 
     dtype = getattr(torch, cfg.model.dtype)  # float32 | bfloat16 | float16
     return build_policy(
@@ -109,6 +110,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None, 
         grad_reduce_in_fp32=cfg.optimizer.grad_reduce_in_fp32 and dtype != torch.float32,
         dynamic_cp=cfg.context_parallel.dynamic,
         process_groups=process_groups,
+        head=getattr(get_algorithm(cfg.algorithm), "HEAD", "lm"),
     )
 
 

@@ -9,6 +9,7 @@
                                                                        # extend a run: the LR schedule over 40
     python -m mcore_packing train algorithm=grpo grpo.rollouts=rollouts.jsonl   # GRPO on your engine's rollouts
     python -m mcore_packing train algorithm=dpo dpo.pairs=pairs.jsonl           # DPO on preference pairs
+    python -m mcore_packing train algorithm=rm rm.pairs=pairs.jsonl             # a Bradley-Terry reward model
     python -m mcore_packing train --recipe llama3_8b_sft_packed --num-nodes 2 --gpus-per-node 8 --dry-run
 
 Arguments other than the flags below are Hydra overrides (``parallel.tp=2``, ``data=jsonl``; ``+key=..``

@@ -264,7 +264,7 @@ def _announce_draws(cfg: TrainConfig, inputs: RunInputs, rank: int) -> None:
         return
     units, per_step = inputs.data.num_units, inputs.batch_units
     draws = cfg.training.steps * per_step
-    what = {"sft": "samples", "dpo": "pairs", "grpo": "groups"}[cfg.algorithm]
+    what = {"sft": "samples", "dpo": "pairs", "grpo": "groups", "rm": "pairs"}[cfg.algorithm]
     epochs = draws / units
     repeats = (f"each seen {epochs:.2f} times on average (repeats from step {units // per_step + 1})"
                if draws > units else f"no {what[:-1]} seen twice ({100 * draws / units:.1f}% of the data)")  # fmt: skip

@@ -18,17 +18,19 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from .recording import recording
+from .recording import MetricSums, recording
 
 __all__ = ["METRIC_KEYS", "DPOLoss", "dpo_pair_loss"]
 
 METRIC_KEYS = ("pairs", "preference_loss", "sft_loss", "reward_margin", "accuracy", "chosen_reward", "rejected_reward")
 
 
-class DPOLoss:
+class DPOLoss(MetricSums):
     """``loss(members) -> scalar`` for one pair; ``members`` = ``[(sample_id, logprobs, loss_mask)] * 2``,
     chosen first (sample order). ``reference_logps[sample_id]`` is the reference policy's log-prob of that
     response, reduced the same way (sum, or token mean with ``preference_average_log_probs``)."""
+
+    METRIC_KEYS = METRIC_KEYS
 
     def __init__(
         self,
@@ -46,13 +48,6 @@ class DPOLoss:
         self.sft_loss_weight = sft_loss_weight
         self.preference_average = preference_average_log_probs
         self.sft_average = sft_average_log_probs
-        self._sums: torch.Tensor | None = None  # METRIC_KEYS' sums, on the loss's device
-
-    @property
-    def metrics(self) -> dict:
-        """The per-step sums of `METRIC_KEYS` (read to the host once: call it after the step)."""
-        values = self._sums.tolist() if self._sums is not None else [0.0] * len(METRIC_KEYS)
-        return dict(zip(METRIC_KEYS, values, strict=True))
 
     def __call__(self, members) -> torch.Tensor:
         if len(members) != 2:
@@ -74,10 +69,8 @@ class DPOLoss:
     def _record(self, preference, sft, reward_c, reward_r) -> None:
         """Adds this pair's values on the device (no host copy: the step reads `metrics` once at its end)."""
         margin = (reward_c - reward_r).detach()
-        values = [preference.new_ones(()), preference.detach(), sft.detach(), margin, (margin > 0).to(margin.dtype),
-                  reward_c.detach(), reward_r.detach()]  # METRIC_KEYS' order  # fmt: skip
-        values = torch.stack(values).double()
-        self._sums = values if self._sums is None else self._sums + values
+        self._add([preference.new_ones(()), preference.detach(), sft.detach(), margin, (margin > 0).to(margin.dtype),
+                   reward_c.detach(), reward_r.detach()])  # METRIC_KEYS' order
 
 
 def response_logprob(logprobs: torch.Tensor, mask: torch.Tensor, *, average: bool) -> torch.Tensor:

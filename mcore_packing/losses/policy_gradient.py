@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from .pg_config import ClippedPGConfig
-from .recording import recording
+from .recording import MetricSums, recording
 
 __all__ = ["METRIC_KEYS", "ClippedPGLoss"]
 
@@ -48,7 +48,7 @@ METRIC_KEYS = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl", "gen_r
 KL = torch.Tensor | None  # the per-token KL estimate to the reference, when the KL penalty is on
 
 
-class ClippedPGLoss:
+class ClippedPGLoss(MetricSums):
     """The per-sample policy-gradient loss of `ClippedPGConfig`, for the step-loss protocol:
     ``loss(sample_id, logprobs, mask) -> scalar`` (`megatron.PerSample` with ``config.normalization``,
     the per-sample aggregation of the module docstring) and ``loss.group_loss(members) -> scalar``
@@ -66,6 +66,8 @@ class ClippedPGLoss:
     ``device``: the step's device. The side inputs are moved there once, here (a call then indexes
     device rows: no host copy inside the loss); without it each call copies its sample's rows.
     """
+
+    METRIC_KEYS = METRIC_KEYS
 
     def __init__(
         self,
@@ -86,7 +88,6 @@ class ClippedPGLoss:
         self.old = _on_device(old_logprobs, device)
         self.reference = _on_device(reference_logprobs, device)
         self.generation = _on_device(generation_logprobs, device)
-        self._sums: torch.Tensor | None = None  # METRIC_KEYS' sums, on the loss's device
 
     @property
     def normalization(self) -> str:
@@ -101,12 +102,6 @@ class ClippedPGLoss:
     @property
     def entropy_chunk_tokens(self) -> int:
         return self.config.logprob_chunk_size
-
-    @property
-    def metrics(self) -> dict:
-        """The per-step sums of `METRIC_KEYS` (read to the host once: call it after the step)."""
-        values = self._sums.tolist() if self._sums is not None else [0.0] * len(METRIC_KEYS)
-        return dict(zip(METRIC_KEYS, values, strict=True))
 
     def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor,
                  entropy: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
@@ -216,7 +211,7 @@ class ClippedPGLoss:
         outside = (ratio < 1 - self.config.ratio_clip_min) | (ratio > 1 + self.config.ratio_clip_max)
         zero = weights.new_zeros(())
         rho, truncated, zeroed = is_stats if is_stats is not None else (None, None, None)
-        sums = torch.stack([
+        self._add([
             weights.sum(),
             (outside.float() * weights).sum(),
             ((torch.exp(-log_ratio) + log_ratio - 1) * weights).sum(),
@@ -226,8 +221,7 @@ class ClippedPGLoss:
             (truncated.float() * weights).sum() if truncated is not None else zero,
             (zeroed.float() * weights).sum() if zeroed is not None else zero,
             (entropy.float() * weights).sum() if entropy is not None else zero,
-        ]).double()  # fmt: skip
-        self._sums = sums if self._sums is None else self._sums + sums
+        ])  # fmt: skip
 
 
 def _on(value, like: torch.Tensor) -> torch.Tensor:

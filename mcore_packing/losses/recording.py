@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 
-__all__ = ["muted", "recording"]
+__all__ = ["MetricSums", "muted", "recording"]
 
 _RECORDING: ContextVar[bool] = ContextVar("mcore_packing_recording_metrics", default=True)
 
@@ -24,6 +24,26 @@ _RECORDING: ContextVar[bool] = ContextVar("mcore_packing_recording_metrics", def
 def recording() -> bool:
     """True unless inside `muted(True)`."""
     return _RECORDING.get()
+
+
+class MetricSums:
+    """A loss's per-step metric sums, kept on the device until read: subclasses set ``METRIC_KEYS`` and
+    call `_add` with one 0-d tensor per key (in that order) for each sample or pair they record."""
+
+    METRIC_KEYS: tuple[str, ...] = ()
+    _sums = None  # the sums, one float64 tensor (set by the first `_add`)
+
+    @property
+    def metrics(self) -> dict:
+        """The per-step sums of ``METRIC_KEYS`` (read to the host once: call it after the step)."""
+        values = self._sums.tolist() if self._sums is not None else [0.0] * len(self.METRIC_KEYS)
+        return dict(zip(self.METRIC_KEYS, values, strict=True))
+
+    def _add(self, values) -> None:
+        import torch
+
+        stacked = torch.stack(list(values)).double()
+        self._sums = stacked if self._sums is None else self._sums + stacked
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`;
   `policy_step_loss` (a policy loss as its aggregation asks).
 - `temperature`: `logits_temperature`, log-probs at the sampling temperature.
+- `reward_head`: `RewardHead`, a reward model's score head in place of the output layer (``head="reward"``).
 - `entropy`: `vocab_parallel_entropy` / `capture_entropy`, the policy's exact token entropy, chunked.
 - `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
 - `policy`: `Policy` (model chunks, optimizer, schedule, process groups, device) and `build_policy`, the
@@ -55,6 +56,7 @@ from .step_loss import (
     PerGroup,
     PerSample,
     PerSequence,
+    PerSequenceValues,
     SequenceMeanNLL,
     StepLoss,
     TokenMeanNLL,
@@ -73,6 +75,7 @@ __all__ = [
     "PerGroup",
     "PerSample",
     "PerSequence",
+    "PerSequenceValues",
     "Policy",
     "PreparedMicroBatch",
     "ProcessGroups",

@@ -85,7 +85,7 @@ def forward_backward_dynamic_cp(
         )
 
     with entropy_for(loss, model, process_groups) as capture:
-        store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only)
+        store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only, labels=loss.uses_labels)
     return StepResult(
         loss=_step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,
@@ -180,7 +180,7 @@ def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: Proce
     return prep, row_groups
 
 
-def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, forward_only: bool):
+def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, forward_only: bool, labels: bool = True):
     """Megatron's schedule (pp=1: one forward and backward per row, gradients reduced at the end)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -188,7 +188,7 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
         prep, row_groups = next(data_iterator)
         width = prep.plan.shape[1] if prep.packed is None else None  # BSHD: RoPE's table spans the whole row
         with rope_cp_group(model_chunk, row_groups.cp, rotary_seq_len=width):
-            output = model_chunk(prep.tokens, prep.position_ids, None, labels=prep.labels,
+            output = model_chunk(prep.tokens, prep.position_ids, None, labels=prep.labels if labels else None,
                                  packed_seq_params=prep.packed_seq_params)  # fmt: skip
         return output, partial(loss_func, prep, row_groups)
 

@@ -62,11 +62,13 @@ def save_hf_folder(
     dtype: str = "bfloat16",
     max_shard_bytes: int = 5 * 2**30,
     overwrite: bool = False,
+    head: str = "lm",
 ) -> Path:
     """Write ``tensors`` as a Hugging Face folder for ``shape``; ``source`` (the imported folder) supplies
     the tokenizer files and the config fields this library does not model (token ids, ...). Written into a
     temporary sibling folder and renamed into place, so a failed export leaves nothing half-written; a
-    non-empty ``out`` is refused unless ``overwrite``."""
+    non-empty ``out`` is refused unless ``overwrite``. ``head="reward"``: a reward model, written as the
+    family's ``*ForSequenceClassification`` with one label (``score.weight``; no ``lm_head``)."""
     import tempfile
 
     if dtype not in _DTYPES:
@@ -76,7 +78,7 @@ def save_hf_folder(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
-        _write_folder(tensors, shape, staging, source, dtype, max_shard_bytes)
+        _write_folder(tensors, shape, staging, source, dtype, max_shard_bytes, head)
         if out.exists():
             retired = out.with_name(f".{out.name}.replaced-{staging.name.rsplit('-', 1)[-1]}")
             os.rename(out, retired)
@@ -90,7 +92,8 @@ def save_hf_folder(
     return out
 
 
-def _write_folder(tensors, shape: ModelShape, out: Path, source, dtype: str, max_shard_bytes: int) -> None:
+def _write_folder(tensors, shape: ModelShape, out: Path, source, dtype: str, max_shard_bytes: int,
+                  head: str = "lm") -> None:  # fmt: skip
     from safetensors.torch import save_file
 
     cast = {k: v.detach().to(_DTYPES[dtype]).contiguous() for k, v in tensors.items()}
@@ -110,6 +113,9 @@ def _write_folder(tensors, shape: ModelShape, out: Path, source, dtype: str, max
         _atomic_write(out / "model.safetensors.index.json", lambda p: p.write_text(json.dumps(index, indent=2)))
     extra = read_hf_config(source) if source is not None else None
     config = hf_config_from_shape(shape, dtype=dtype, extra=extra)
+    if head == "reward":  # one score per sequence, read at its last non-padding token
+        config.update(architectures=[config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")],
+                      num_labels=1, id2label={"0": "LABEL_0"}, label2id={"LABEL_0": 0})  # fmt: skip
     _atomic_write(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2)))
     for name in TOKENIZER_FILES if source is not None else ():
         if (Path(source) / name).is_file():

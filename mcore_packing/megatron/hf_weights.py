@@ -52,6 +52,7 @@ _TOP = {
     "embedding.word_embeddings.weight": ("vocab_rows", ["model.embed_tokens.weight"]),
     "decoder.final_layernorm.weight": ("replicated", ["model.norm.weight"]),
     "output_layer.weight": ("vocab_rows", ["lm_head.weight"]),
+    "output_layer.reward_weight": ("replicated", ["score.weight"]),  # a reward model (*ForSequenceClassification)
 }
 
 
@@ -205,6 +206,8 @@ def load_hf_weights(
             offset = ep_rank * (shape.num_experts // ep_size) if shape.is_moe else 0
             kind, names = hf_names(name, layer_number.get(prefix), shape, offset)
             missing = [n for n in names if n not in hf.weight_map]
+            if missing and name == "output_layer.reward_weight":
+                continue  # a causal LM's folder: the reward head keeps its seeded start
             if missing:
                 raise ValueError(
                     f"{folder}: tensor {missing[0]!r} is missing (needed for Megatron's {name}). The checkpoint "

@@ -29,6 +29,8 @@ __all__ = [
 
 INIT_MODES = ("seeded", "megatron", "none")
 """How `build_gpt_chunks` sets the initial weights (see its docstring)."""
+HEADS = ("lm", "reward")
+"""What the last stage ends in: the vocabulary projection, or a reward model's score head."""
 
 
 def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 1234) -> None:
@@ -214,6 +216,7 @@ def build_gpt_chunks(
     process_groups=None,
     init: str = "seeded",
     cpu_initialization: bool | None = None,
+    head: str = "lm",
 ):
     """This pipeline stage's model chunks (``layout.vpp`` of them, Megatron's virtual pipeline; one
     without it), each a GPTModel wrapped in Megatron DDP, and their TransformerConfig. GPTModel and DDP
@@ -231,9 +234,13 @@ def build_gpt_chunks(
     keeps them too, for a caller that then loads every parameter (a checkpoint): no seeded draw.
     ``cpu_initialization`` overrides where Megatron makes the parameters (default: on the run's device;
     tests drive the GPU branch on a CPU with False).
+    ``head``: "lm" (the vocabulary projection) or "reward" (a reward model: `reward_head.RewardHead`, one
+    score per token, the embedding untied from it).
     """
     if init not in INIT_MODES:
         raise ValueError(f"init={init!r} is not one of {INIT_MODES}.")
+    if head not in HEADS:
+        raise ValueError(f"head={head!r} is not one of {HEADS}.")
     require_megatron()
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
@@ -253,7 +260,7 @@ def build_gpt_chunks(
     )  # fmt: skip
     chunks = []
     for vp_stage in range(layout.vpp):
-        model = _gpt_chunk(shape, layout, config, pgs, attention_backend, vp_stage)
+        model = _gpt_chunk(shape, layout, config, pgs, attention_backend, vp_stage, head=head, seed=seed)
         if init == "seeded":
             _seeded(model, shape, layout, pgs, seed)
         if device is not None:
@@ -275,9 +282,11 @@ def _seeded(model, shape: ModelShape, layout: ParallelLayout, pgs, seed: int) ->
                  tp_rank=group_rank(pgs.tp), tp_size=layout.tp, expert_offset=offset)  # fmt: skip
 
 
-def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention_backend: str, vp_stage: int):
+def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention_backend: str, vp_stage: int, *,
+               head: str = "lm", seed: int = 0):  # fmt: skip
     """Model chunk ``vp_stage`` of this stage: a GPTModel with the packed layer spec, the padded
-    vocabulary masked on the head, and, for Mixture-of-Experts, the router loss installed."""
+    vocabulary masked on the head (or, ``head="reward"``, the reward head in its place), and, for
+    Mixture-of-Experts, the router loss installed."""
     from megatron.core.models.gpt import GPTModel
 
     from .layer_spec import get_packed_gpt_block_spec
@@ -294,13 +303,17 @@ def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention
         rotary_base=shape.rotary_base,
         rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
-        share_embeddings_and_output_weights=shape.tie_embeddings,
+        share_embeddings_and_output_weights=shape.tie_embeddings and head == "lm",
         pre_process=pgs.is_first_stage and vp_stage == 0,
         post_process=pgs.is_last_stage and vp_stage == vpp - 1,
         pg_collection=pgs.collection,
         vp_stage=stage,
     )
-    if model.post_process and padded_vocab_size(shape.vocab_size, tp) != shape.vocab_size:
+    if model.post_process and head == "reward":
+        from .reward_head import install_reward_head
+
+        install_reward_head(model, seed=seed, tp_group=pgs.tp)
+    elif model.post_process and padded_vocab_size(shape.vocab_size, tp) != shape.vocab_size:
         _mask_padded_vocab(model.output_layer, shape.vocab_size, tp, group_rank(pgs.tp))
     if shape.is_moe:
         from .router_loss import RouterLoss, RouterLossConfig

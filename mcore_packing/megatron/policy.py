@@ -61,6 +61,7 @@ def build_policy(
     grad_reduce_in_fp32: bool = False,
     dynamic_cp: bool = False,
     process_groups: ProcessGroups | None = None,
+    head: str = "lm",
 ) -> Policy:
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
     weights of ``hf_path`` (this rank's slices), else the seeded initialization (`seeded_init`: a
@@ -70,7 +71,8 @@ def build_policy(
     CP sub-groups dynamic context parallelism runs its rows on (`ProcessGroups.with_dynamic_cp`; a
     collective, every rank builds the policy). ``process_groups``: the groups of a policy built before on
     the same layout (a reference passes its policy's): reused, dynamic-CP sub-groups included, so a run
-    makes one set of communicators."""
+    makes one set of communicators. ``head="reward"``: a reward model (`reward_head`; from ``hf_path``
+    its ``score.weight`` when the folder has one, else the seeded head on the checkpoint's body)."""
     from .hf_weights import load_hf_weights
     from .model import build_gpt_chunks
     from .process_groups import group_rank
@@ -94,6 +96,7 @@ def build_policy(
         grad_reduce_in_fp32=grad_reduce_in_fp32 and optimizer is not None,
         process_groups=process_groups,
         init="none" if hf_path is not None else "seeded",  # a checkpoint sets every parameter
+        head=head,
     )
     model = chunks[0] if len(chunks) == 1 else chunks
     info = {}

@@ -30,7 +30,7 @@ from ..thd.transfer import to_device_once
 from .packed_seq import cp_inverse_index, host_packed_seq_params, on_device, thd_fields
 from .process_groups import ProcessGroups
 
-__all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "prepare_micro_batch"]
+__all__ = ["PreparedMicroBatch", "local_step_counts", "per_sample_logprobs", "per_sample_values", "prepare_micro_batch"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -176,22 +176,37 @@ def per_sample_logprobs(
     group, then keeps this rank's part). A sample of ``n`` tokens gets ``n - 1`` values: position ``j``
     scores token ``j + 1``.
     """
-    logprobs = -output_tensor.float()
-    if prep.packed is not None:
-        flat = logprobs.reshape(-1)
-        if process_groups.cp_size > 1:
-            inverse = cp_inverse_index(prep.packed_seq_params, process_groups.cp_size, flat.device)  # moved with it
-            flat = gather_from_cp(flat, prep.packed, process_groups.cp, inverse=inverse)
-        spans = list(prep.packed.padded_lengths)
-        rows, masks = torch.split(flat, spans), torch.split(prep.full_loss_mask, spans)
-    else:
-        cp_size = process_groups.cp_size
-        rows = gather_bshd_from_cp(logprobs, process_groups.cp, seq_dim=1) if cp_size > 1 else logprobs
-        masks = prep.full_loss_mask
+    rows, masks = _gathered_rows(prep, -output_tensor.float(), process_groups)
     return [
         (sample, row[: max(n - 1, 0)], mask[: max(n - 1, 0)])
         for sample, row, mask, n in zip(prep.sample_ids, rows, masks, prep.real_lengths, strict=True)
     ]
+
+
+def per_sample_values(
+    prep: PreparedMicroBatch, output_tensor: torch.Tensor, process_groups: ProcessGroups
+) -> list[tuple[int, torch.Tensor]]:
+    """``[(sample_id, values), ...]``: a model's per-token output without labels (a reward head's
+    ``[b, s, 1]`` scores), CP gathered like `per_sample_logprobs`; a sample of ``n`` tokens gets all ``n``
+    (position ``j`` is token ``j``'s)."""
+    rows, _ = _gathered_rows(prep, output_tensor.float().reshape(output_tensor.shape[:2]), process_groups)
+    return [(sample, row[:n]) for sample, row, n in zip(prep.sample_ids, rows, prep.real_lengths, strict=True)]
+
+
+def _gathered_rows(prep: PreparedMicroBatch, values: torch.Tensor, process_groups: ProcessGroups):
+    """This CP shard's per-token ``values`` ``[b, s]`` as the micro-batch's full rows (one per sample, CP
+    all-gathered, differentiable: the gather's backward sums over the CP group, then keeps this rank's
+    part), and the rows' loss masks."""
+    if prep.packed is not None:
+        flat = values.reshape(-1)
+        if process_groups.cp_size > 1:
+            inverse = cp_inverse_index(prep.packed_seq_params, process_groups.cp_size, flat.device)  # moved with it
+            flat = gather_from_cp(flat, prep.packed, process_groups.cp, inverse=inverse)
+        spans = list(prep.packed.padded_lengths)
+        return torch.split(flat, spans), torch.split(prep.full_loss_mask, spans)
+    cp_size = process_groups.cp_size
+    rows = gather_bshd_from_cp(values, process_groups.cp, seq_dim=1) if cp_size > 1 else values
+    return rows, prep.full_loss_mask
 
 
 def _target_sum(sample: SequenceSample) -> float:

@@ -123,7 +123,8 @@ def forward_backward(
 
     try:
         with entropy_for(loss, model, process_groups) as capture:
-            store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only)
+            store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only,
+                                  labels=loss.uses_labels)  # fmt: skip
     finally:
         for router_loss in router_losses:
             router_loss.end_step()
@@ -183,7 +184,7 @@ def compute_logprobs(
 
 def _run_schedule(
     model, prepared: list[PreparedMicroBatch], plan: StepPlan, process_groups: ProcessGroups, loss_func, *,
-    forward_only: bool,
+    forward_only: bool, labels: bool = True,
 ):  # fmt: skip
     """The one call into Megatron's pipeline schedule, with ``process_groups``' collection (and, under
     PP, a P2P communicator over its pipeline group); returns the per-micro-batch loss statistics."""
@@ -200,7 +201,7 @@ def _run_schedule(
     # Interleaved: every chunk reads the micro-batches in order, each from its own iterator.
     data = iter(prepared) if len(chunks) == 1 else [iter(prepared) for _ in chunks]
     return get_forward_backward_func()(
-        forward_step_func=_forward_step(loss_func, process_groups),
+        forward_step_func=_forward_step(loss_func, process_groups, labels=labels),
         data_iterator=data,
         model=chunks,
         num_microbatches=len(prepared),
@@ -212,7 +213,7 @@ def _run_schedule(
     )
 
 
-def _forward_step(loss_func, process_groups: ProcessGroups):
+def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = True):
     """Megatron's ``forward_step_func``: the next prepared micro-batch through the model chunk; the
     per-token losses go to ``loss_func(prepared, output)`` on the last stage. An MoE model also gets the
     micro-batch's padding mask, so its routers keep pad tokens out of their statistics, and its router
@@ -227,7 +228,8 @@ def _forward_step(loss_func, process_groups: ProcessGroups):
             router_loss.begin_micro_batch(_router_segments(prep, model_chunk, process_groups),
                                           prep.sequence_lengths)  # fmt: skip
         output = model_chunk(
-            prep.tokens, prep.position_ids, None, labels=prep.labels, packed_seq_params=prep.packed_seq_params, **extra
+            prep.tokens, prep.position_ids, None, labels=prep.labels if labels else None,
+            packed_seq_params=prep.packed_seq_params, **extra
         )
         return output, partial(loss_func, prep)
 

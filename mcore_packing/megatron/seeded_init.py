@@ -29,7 +29,7 @@ import re
 
 import torch
 
-__all__ = ["global_parameter_name", "seeded_init_"]
+__all__ = ["global_parameter_name", "seeded_init_", "seeded_tensor"]
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -68,6 +68,12 @@ def _draw(name: str, full_shape: tuple[int, ...], *, seed: int, std: float, num_
         return torch.zeros(full_shape) if zero_centered_gamma else torch.ones(full_shape)
     scale = std / math.sqrt(2.0 * num_layers) if name.endswith(_OUTPUT_PROJECTIONS) else std
     return torch.empty(full_shape).normal_(0.0, scale, generator=_generator(seed, name))
+
+
+def seeded_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
+    """normal(0, ``std``) of ``shape`` from the generator of ``(seed, name)``: what `seeded_init_` draws for a
+    weight of that global name (a module that makes its own parameter, `reward_head`, starts from it)."""
+    return torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
 
 
 def _shard(full: torch.Tensor, param, tp_rank: int, tp_size: int) -> torch.Tensor:

@@ -32,12 +32,13 @@ import torch
 
 from ..losses.recording import muted
 from ..thd.loss_weights import LossNormalization, StepTotals
-from .prepare import PreparedMicroBatch, per_sample_logprobs
+from .prepare import PreparedMicroBatch, per_sample_logprobs, per_sample_values
 
 __all__ = [
     "PerGroup",
     "PerSample",
     "PerSequence",
+    "PerSequenceValues",
     "SequenceMeanNLL",
     "StepLoss",
     "TokenMeanNLL",
@@ -64,6 +65,7 @@ class StepLoss:
     needs_plan_groups: bool = False
     needs_entropy: bool = False  # the policy's per-token entropy (`megatron.entropy`), passed as ``entropy=``
     entropy_chunk_tokens: int = 1024
+    uses_labels: bool = True  # False: the model runs without labels and ``output`` is its per-token values
 
     def micro_batch_sum(self, prep: PreparedMicroBatch, output: torch.Tensor, process_groups, totals: StepTotals,
                         entropy: torch.Tensor | None = None):  # fmt: skip
@@ -160,6 +162,30 @@ class PerGroup(StepLoss):
         group_ids = prep.group_ids
         members: dict = {}
         for item in _rows(prep, output, process_groups, entropy):
+            members.setdefault(group_ids[item[0]], []).append(item)
+        total = output.new_zeros((), dtype=torch.float32)
+        with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group
+            for items in members.values():
+                total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
+        return total / (self.global_count(totals) * process_groups.cp_size)
+
+
+@dataclass(frozen=True)
+class PerSequenceValues(StepLoss):
+    """``fn(members) -> scalar`` once per group of the plan, ``members`` = ``[(sample_id, values), ...]`` in
+    sample order, where ``values`` are the model's per-token outputs without labels (a reward model's
+    scores, `reward_head`; every position of the sample); the step loss is the mean over the groups (a
+    reward model's pairs). Needs a plan made with ``groups=``."""
+
+    fn: Callable
+    divisor = "groups"
+    needs_plan_groups = True
+    uses_labels = False
+
+    def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
+        group_ids = prep.group_ids
+        members: dict = {}
+        for item in per_sample_values(prep, output, process_groups):
             members.setdefault(group_ids[item[0]], []).append(item)
         total = output.new_zeros((), dtype=torch.float32)
         with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group

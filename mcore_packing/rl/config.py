@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ..validators import InvalidValue, require_positive_int
 
-__all__ = ["DPOConfig", "GRPOConfig"]
+__all__ = ["DPOConfig", "GRPOConfig", "RMConfig"]
 
 
 @dataclass(kw_only=True)
@@ -75,3 +75,24 @@ class DPOConfig:
         if self.preference_loss_weight == 0 and self.sft_loss_weight == 0:
             raise InvalidValue("preference_loss_weight and sft_loss_weight are both 0: nothing to train; set one > 0.",
                                key="preference_loss_weight")
+
+
+@dataclass(kw_only=True)
+class RMConfig:
+    """``algorithm=rm``: a Bradley-Terry reward model on (chosen, rejected) pairs (`losses.RewardPairLoss`):
+    the model ends in a score head (`megatron.reward_head`) instead of the vocabulary, a response's reward
+    is the score of its last token, and the loss is ``-log sigmoid(r_chosen - r_rejected - margin)`` plus
+    ``center_rewards_coefficient (r_chosen + r_rejected)^2``, averaged over the pairs of a step. Pairs are
+    DPO's (``pairs``: the same JSONL forms and refusals); each trainer step takes
+    ``training.global_batch_size`` pairs, each pair in one micro-batch."""
+
+    pairs: str | None = None  # JSONL: prompt/chosen/rejected (text or chat messages) or *_tokens (ids)
+    margin: float = 0.0  # the chosen reward must win by at least this much
+    center_rewards_coefficient: float = 0.0  # TRL's key: > 0 pulls the pair's reward sum toward 0
+
+    def __post_init__(self):
+        for name in ("margin", "center_rewards_coefficient"):
+            value = getattr(self, name)
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if not number or not 0 <= value < float("inf"):
+                raise InvalidValue(f"{name}={value!r} must be a finite number >= 0.", key=name)

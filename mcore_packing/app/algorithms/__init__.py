@@ -1,6 +1,7 @@
 """Training algorithms as modules behind one small protocol, so adding one is adding one module.
 
-Each module (`sft`, `grpo`, `dpo`) has:
+Each module (`sft`, `grpo`, `dpo`, `rm`) has (and optionally ``HEAD``, the model's last layer: "lm" or
+"reward", `megatron.build_policy`):
 
     check_config(cfg)                     config-only checks (`config.validate_layout` runs them, before data)
     missing_data(cfg) -> str | None       why a dry run cannot plan a first step (None: it can)
@@ -29,7 +30,7 @@ from ...data.sample import SequenceSample
 
 __all__ = ["ALGORITHMS", "RunData", "StoreSamples", "batch_samples", "get_algorithm", "open_prepared", "step_metrics"]
 
-ALGORITHMS = ("sft", "grpo", "dpo")
+ALGORITHMS = ("sft", "grpo", "dpo", "rm")
 
 
 def get_algorithm(name: str):
@@ -54,7 +55,7 @@ def open_prepared(cfg, kind: str, *, instead_of: str | None = None):
     except (ValueError, FileNotFoundError) as exc:
         raise ConfigError(f"data.prepared: {exc}", key="data.prepared") from None
     if store.kind != kind:
-        reads = {"sft": "sft", "pairs": "dpo", "rollouts": "grpo"}[store.kind]
+        reads = {"sft": "sft", "pairs": "dpo (or rm)", "rollouts": "grpo"}[store.kind]
         raise ConfigError(f"data.prepared={cfg.data.prepared} holds {store.kind} records; algorithm={cfg.algorithm} "
                           f"reads a store written by prepare --kind {kind}. Set algorithm={reads} for this store.",
                           key="data.prepared")  # fmt: skip

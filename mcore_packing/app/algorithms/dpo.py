@@ -16,60 +16,62 @@ from ..config import ConfigError, budget_key
 from . import RunData, StoreSamples, open_prepared, step_metrics
 
 
-def check_config(cfg) -> None:
+def check_config(cfg, algorithm: str = "dpo") -> None:
     if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
         raise ConfigError(
-            "algorithm=dpo keeps each (chosen, rejected) pair in one micro-batch: it needs sequence_packing.enabled"
-            "=true or dynamic_batching.enabled=true."
+            f"algorithm={algorithm} keeps each (chosen, rejected) pair in one micro-batch: it needs "
+            "sequence_packing.enabled=true or dynamic_batching.enabled=true."
         )
 
 
-def missing_data(cfg) -> str | None:
-    if cfg.dpo.pairs or cfg.data.prepared:
+def missing_data(cfg, group: str = "dpo") -> str | None:
+    if getattr(cfg, group).pairs or cfg.data.prepared:
         return None
-    return "dpo.pairs is not set: layout and config checked; set it to plan the first step"
+    return f"{group}.pairs is not set: layout and config checked; set it to plan the first step"
 
 
-def load_data(cfg) -> RunData:
-    """Read, check and tokenize ``dpo.pairs`` (errors name ``file:line`` and the fix), or open the store of
-    pairs ``data.prepared`` names (``prepare --kind pairs``: tokenized and checked already)."""
+def load_data(cfg, group: str = "dpo") -> RunData:
+    """Read, check and tokenize ``<group>.pairs`` (errors name ``file:line`` and the fix), or open the store
+    of pairs ``data.prepared`` names (``prepare --kind pairs``: tokenized and checked already). ``group``:
+    the config group whose ``pairs`` key is read (``dpo``, or ``rm`` for the reward model)."""
     if cfg.data.prepared is not None:
-        return _load_prepared(cfg)
-    if not cfg.dpo.pairs:
+        return _load_prepared(cfg, group)
+    pairs = getattr(cfg, group).pairs
+    if not pairs:
         raise ConfigError(
-            "algorithm=dpo needs dpo.pairs=/path/pairs.jsonl: one JSON object per line with prompt, chosen and "
-            "rejected (text or chat messages), or prompt_tokens, chosen_tokens and rejected_tokens; or "
+            f"algorithm={group} needs {group}.pairs=/path/pairs.jsonl: one JSON object per line with prompt, chosen "
+            "and rejected (text or chat messages), or prompt_tokens, chosen_tokens and rejected_tokens; or "
             "data.prepared=STORE written by prepare --kind pairs."
         )
     try:
         data = load_preference_data(
-            cfg.dpo.pairs,
+            pairs,
             tokenizer_path=cfg.model.hf_path,
             encoding=cfg.data.encoding,
             vocab_size=cfg.data.vocab_size,
             max_sample_tokens=cfg.data.max_sample_tokens,
         )
     except (ValueError, FileNotFoundError) as exc:
-        raise ConfigError(f"dpo.pairs: {exc}") from None
+        raise ConfigError(f"{group}.pairs: {exc}") from None
     units = list(group_members(pair_ids(len(data.samples))).values())  # [[0, 1], [2, 3], ...]
     return RunData(samples=data.samples, vocab_size=data.vocab_size, info=data.info, units=units)
 
 
-def _load_prepared(cfg) -> RunData:
-    store = open_prepared(cfg, "pairs", instead_of="dpo.pairs")
+def _load_prepared(cfg, group: str) -> RunData:
+    store = open_prepared(cfg, "pairs", instead_of=f"{group}.pairs")
     units = list(group_members(pair_ids(len(store))).values())
     return RunData(samples=StoreSamples(store, range(len(store))), vocab_size=store.vocab_size, info=store.info,
                    units=units, lengths=store.lengths.tolist(), fingerprint=store.fingerprint,
                    max_token_id=store.manifest["counts"]["max_token_id"])  # fmt: skip
 
 
-def check_data(cfg, data: RunData, step_config) -> None:
+def check_data(cfg, data: RunData, step_config, group: str = "dpo") -> None:
     """Every pair fits one micro-batch of the training pass."""
     pairs = pair_ids(len(data.samples))
     try:
         step_config.check_groups_fit(list(data.sample_lengths()), pairs, key=budget_key(step_config, cfg=cfg))
     except ValueError as exc:
-        raise ConfigError(f"dpo.pairs: {exc} (a pair shares one micro-batch)") from None
+        raise ConfigError(f"{group}.pairs: {exc} (a pair shares one micro-batch)") from None
 
 
 BATCH_KEY = "training.global_batch_size"  # the key of batch_units
