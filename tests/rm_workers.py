@@ -76,6 +76,7 @@ def rm_exact_worker(rank: int, world_size: int, *, root: str, rows: list[dict], 
         policy = setup.policy
         layout = cfg.parallel.layout(setup.world_size)
         head = _reward_weight(policy.model)
+        norm = (policy.model.module if hasattr(policy.model, "module") else policy.model).decoder.final_layernorm.weight
         if reference:
             rewards = []
             for s in samples:  # the reward of each sequence alone: no packing, no schedule, no CP
@@ -87,7 +88,8 @@ def rm_exact_worker(rank: int, world_size: int, *, root: str, rows: list[dict], 
             loss = loss.mean()
             loss.backward()
             out["reference"] = {"loss": float(loss), "accuracy": float((chosen > rejected).float().mean().detach()),
-                                "head_grad": head.main_grad.detach().clone()}  # fmt: skip
+                                "head_grad": head.main_grad.detach().clone(),
+                                "norm_grad": norm.main_grad.detach().clone()}  # fmt: skip
             policy.model.zero_grad_buffer()
         runs = [(mode, mode, samples) for mode in modes]
         if control_rows is not None:
@@ -99,8 +101,8 @@ def rm_exact_worker(rank: int, world_size: int, *, root: str, rows: list[dict], 
             result = forward_backward(policy.model, samples, plan, policy.process_groups,
                                       loss=PerSequenceValues(pair_loss), device=policy.device)  # fmt: skip
             pairs, correct = sum_over_ranks([pair_loss.metrics["pairs"], pair_loss.metrics["accuracy"]])
-            out[name] = {"loss": result.loss, "accuracy": correct / pairs, "head_grad": head.main_grad.detach().clone(),
-                         "micro_batches": result.num_microbatches}  # fmt: skip
+            out[name] = {"loss": result.loss, "accuracy": correct / pairs, "micro_batches": result.num_microbatches,
+                         "head_grad": head.main_grad.detach().clone(), "norm_grad": norm.main_grad.detach().clone()}
             policy.model.zero_grad_buffer()
     return out
 
