@@ -14,6 +14,8 @@ instead of GSPO's sequence ratio, and scoring at temperature 1 what was sampled 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -178,7 +180,8 @@ def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference):
 def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference):
     """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, dynamic CP (CP4 packed,
     CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step (<= 1e-6); the
-    T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2."""
+    T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on
+    every layout at both temperatures (72 steps instead of 12; not in CI's time budget)."""
     layouts = [
         {"cp": 2},
         {"tp": 2, "sp": True},
@@ -192,19 +195,22 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference):
         for j in (0, 1):
             layout = layouts[(2 * k + j) % len(layouts)]
             configs.append(_config(name, TEMPERATURES[(k + j) % 2], **layout))
+    if os.environ.get("MCORE_PACKING_PG_FULL_CROSS") == "1":  # every case on every layout at both temperatures
+        configs = [_config(name, t, **layout) for name in NAMES for layout in layouts for t in TEMPERATURES]
+    count = len(configs)
     configs += [{**_config(NAMES[0], 0.7), "label": "DP4"}, {**_config(NAMES[4], 1.0), "label": "DP4"}]
     configs += [{"mode": "packing", "logprobs": True, "temperature": 0.7, "train_mb_tokens": 64, "pg": None, **lay}
                 for lay in ({"cp": 2}, {"tp": 2, "sp": True})]  # fmt: skip
     results = _run(reference, 4, configs)
     table = []
-    for result in results[: len(NAMES) * 2 + 2]:
+    for result in results[: count + 2]:
         _check(result, reference, table)
         cfg = result["config"]
         if cfg.get("dynamic_cp") and not (cfg["mode"] == "dynamic" and cfg["pg"].get("loss_agg_mode") == "prompt-mean"):
             assert len({k for k, n in result["cp_sizes"].items() if n}) > 1, result["cp_sizes"]  # mixed CP sizes
     print("\n".join(table))
     single = _run(reference, 1, [_config(NAMES[0], 0.7), _config(NAMES[4], 1.0)])
-    for dp4, one in zip(results[len(NAMES) * 2 : len(NAMES) * 2 + 2], single, strict=True):
+    for dp4, one in zip(results[count : count + 2], single, strict=True):
         loss_change = abs(dp4["loss"] - one["loss"]) / abs(one["loss"])
         grad_change = max(grad_errors(dp4["grads"], one["grads"]).values())
         print(f"DP4 vs 1 rank, {one['config']['case']}: loss {loss_change:.1e}, gradients {grad_change:.1e}")
