@@ -126,33 +126,45 @@ def test_the_fixture_exercises_every_correction(reference):
     assert all(abs(ref["loss"]) > 1e-4 for ref in reference["pg"])
 
 
-def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference):
+CONTROLS = [
+    ("aggregation: the mask-width divisor", {**_config(NAMES[2], 1.0), "negative_pg": "mask_width",
+                                             "pg": NO_ENTROPY_METRIC}),
+    ("aggregation: the mask-width divisor, half budget",
+     {**_config(NAMES[2], 1.0, train_mb_tokens=32), "negative_pg": "mask_width", "pg": NO_ENTROPY_METRIC}),
+    ("off-policy: ICEPOP's weights unmasked", {**_config(NAMES[1], 1.0), "pg": {
+        **CASES[NAMES[1]], "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": None,
+        "truncated_importance_sampling_ratio_min": None}}),
+    ("GSPO: token ratios", {**_config(NAMES[2], 1.0), "pg": {**CASES[NAMES[2]],
+                                                               "sequence_level_importance_ratios": False}}),
+    ("temperature: scored at 1", {**_config(NAMES[0], 1.0), "case_temperature": 0.7}),
+    ("entropy: the bonus left out", {**_config(NAMES[0], 1.0), "pg": {**CASES[NAMES[0]], "entropy_coeff": 0.0}}),
+]  # fmt: skip
+ONE_RANK = [_config(name, t, mode=mode) for name in NAMES for t in TEMPERATURES for mode in ("packing", "dynamic")]
+HALF_BUDGET = [_config(name, t, train_mb_tokens=32) for name in NAMES for t in TEMPERATURES]
+LOGPROBS = [{"mode": mode, "logprobs": True, "temperature": t, "train_mb_tokens": 64, "pg": None}
+            for mode, t in (("packing", 0.7), ("dynamic", 0.7), ("packing", 1.0))]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def one_rank(reference):
+    """Every 1-rank step of the module in one spawn: the cases, the smaller budget, the controls, the
+    sampled responses' log-probs."""
+    results = _run(reference, 1, ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS)
+    parts, start = {}, 0
+    for name, configs in (("main", ONE_RANK), ("half", HALF_BUDGET), ("controls", CONTROLS), ("sampled", LOGPROBS)):
+        parts[name], start = results[start : start + len(configs)], start + len(configs)
+    return parts
+
+
+def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference, one_rank):
     """Every case at T=1 and T=0.7, packed and dynamically batched, equal to the reference (<= 1e-5); the
     same step at half the token budget equals the full budget's (<= 1e-6); the negative controls fail;
     responses sampled at T=0.7 score a training/inference ratio of 1 within 1e-6 (and not at T=1)."""
-    configs = [_config(name, t, mode=mode) for name in NAMES for t in TEMPERATURES for mode in ("packing", "dynamic")]
-    configs += [_config(name, t, train_mb_tokens=32) for name in NAMES for t in TEMPERATURES]
-    controls = [
-        ("aggregation: the mask-width divisor", {**_config(NAMES[2], 1.0), "negative_pg": "mask_width",
-                                                 "pg": NO_ENTROPY_METRIC}),
-        ("aggregation: the mask-width divisor, half budget",
-         {**_config(NAMES[2], 1.0, train_mb_tokens=32), "negative_pg": "mask_width", "pg": NO_ENTROPY_METRIC}),
-        ("off-policy: ICEPOP's weights unmasked", {**_config(NAMES[1], 1.0), "pg": {
-            **CASES[NAMES[1]], "truncated_importance_sampling_type": "tis", "truncated_importance_sampling_ratio": None,
-            "truncated_importance_sampling_ratio_min": None}}),
-        ("GSPO: token ratios", {**_config(NAMES[2], 1.0), "pg": {**CASES[NAMES[2]],
-                                                                   "sequence_level_importance_ratios": False}}),
-        ("temperature: scored at 1", {**_config(NAMES[0], 1.0), "case_temperature": 0.7}),
-        ("entropy: the bonus left out", {**_config(NAMES[0], 1.0), "pg": {**CASES[NAMES[0]], "entropy_coeff": 0.0}}),
-    ]  # fmt: skip
-    logprob_configs = [{"mode": mode, "logprobs": True, "temperature": t, "train_mb_tokens": 64, "pg": None}
-                       for mode, t in (("packing", 0.7), ("dynamic", 0.7), ("packing", 1.0))]  # fmt: skip
-    results = _run(reference, 1, configs + [c for _, c in controls] + logprob_configs)
-    main, rest = results[: len(configs)], results[len(configs) :]
+    main, half = one_rank["main"], one_rank["half"]
     table = []
-    for result in main:
+    for result in main + half:
         _check(result, reference, table)
-    full, half = main[: 2 * len(REFERENCE)][::2], main[2 * len(REFERENCE) :]
+    full = main[::2]  # the packed ones, in HALF_BUDGET's order
     worst = [0.0, 0.0]
     for a, b in zip(full, half, strict=True):
         loss_change = abs(a["loss"] - b["loss"]) / abs(a["loss"])
@@ -161,8 +173,8 @@ def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference):
         worst = [max(worst[0], loss_change), max(worst[1], grad_change)]
     print("\n".join(table))
     print(f"a smaller token budget changes the loss by <= {worst[0]:.1e}, the gradients by <= {worst[1]:.1e}")
-    control_results, sampled = rest[: len(controls)], rest[len(controls) :]
-    for (label, cfg), result in zip(controls, control_results, strict=True):
+    control_results, sampled = one_rank["controls"], one_rank["sampled"]
+    for (label, cfg), result in zip(CONTROLS, control_results, strict=True):
         ref = reference["by_case"][(cfg["case"], cfg.get("case_temperature", cfg["temperature"]))]
         loss_error, _ = _errors(result, ref)
         print(f"control {label}: loss {loss_error:.1e}")
@@ -177,11 +189,12 @@ def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference):
 
 
 @pytest.mark.slow
-def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference):
-    """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, dynamic CP (CP4 packed,
-    CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step (<= 1e-6); the
-    T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on
-    every layout at both temperatures (72 steps instead of 12; not in CI's time budget)."""
+def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
+    """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, TP2 x PP2, dynamic CP
+    (CP4 packed, CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step
+    (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; the control: each micro-batch
+    divided by its own token count fails. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on every layout at
+    both temperatures (84 steps instead of 12; not in CI's time budget)."""
     layouts = [
         {"cp": 2},
         {"tp": 2, "sp": True},
@@ -189,6 +202,7 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference):
         {"pp": 2, "mode": "dynamic", "variable_seq_lengths": True},
         {"cp": 4, "dynamic_cp": True, "train_mb_tokens": 16},
         {"cp": 2, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 24},
+        {"tp": 2, "pp": 2},
     ]  # fmt: skip
     configs = []
     for k, name in enumerate(NAMES):
@@ -201,6 +215,8 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference):
     configs += [{**_config(NAMES[0], 0.7), "label": "DP4"}, {**_config(NAMES[4], 1.0), "label": "DP4"}]
     configs += [{"mode": "packing", "logprobs": True, "temperature": 0.7, "train_mb_tokens": 64, "pg": None, **lay}
                 for lay in ({"cp": 2}, {"tp": 2, "sp": True})]  # fmt: skip
+    # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
+    configs.append({**_config(NAMES[1], 1.0, cp=2), "negative_pg": "per_microbatch_normalization"})
     results = _run(reference, 4, configs)
     table = []
     for result in results[: count + 2]:
@@ -209,12 +225,17 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference):
         if cfg.get("dynamic_cp") and not (cfg["mode"] == "dynamic" and cfg["pg"].get("loss_agg_mode") == "prompt-mean"):
             assert len({k for k, n in result["cp_sizes"].items() if n}) > 1, result["cp_sizes"]  # mixed CP sizes
     print("\n".join(table))
-    single = _run(reference, 1, [_config(NAMES[0], 0.7), _config(NAMES[4], 1.0)])
+    single = [one_rank["main"][ONE_RANK.index(_config(NAMES[0], 0.7))],
+              one_rank["main"][ONE_RANK.index(_config(NAMES[4], 1.0))]]  # fmt: skip
     for dp4, one in zip(results[count : count + 2], single, strict=True):
         loss_change = abs(dp4["loss"] - one["loss"]) / abs(one["loss"])
         grad_change = max(grad_errors(dp4["grads"], one["grads"]).values())
         print(f"DP4 vs 1 rank, {one['config']['case']}: loss {loss_change:.1e}, gradients {grad_change:.1e}")
         assert loss_change <= 1e-6 and grad_change <= 1e-6
-    ratios = [_sampled_ratio_error(r, reference) for r in results[-2:]]
+    ratios = [_sampled_ratio_error(r, reference) for r in results[count + 2 : count + 4]]
     print(f"sampled at T=0.7, CP2 and TP2: |ratio - 1| <= {max(ratios):.1e}")
     assert max(ratios) <= 1e-6
+    wrong = results[-1]
+    ref = reference["by_case"][(NAMES[1], 1.0)]
+    print(f"per-micro-batch normalization (control): loss {_errors(wrong, ref)[0]:.1e}")
+    assert _errors(wrong, ref)[0] > 1e-3

@@ -4,8 +4,10 @@ Rollouts: a prompt (masked out) and a response, a GRPO-style scalar advantage pe
 old, reference and generation log-probs near the model's own (so some ratios fall outside the clip range).
 Reference: Megatron's stock model, one sequence per forward, the loss written out in plain torch
 (`step_workers.pg_reference_loss`, sharing no code with `mcore_packing.losses`), normalized over the whole
-batch. Under test: `forward_backward(loss=PerSample(ClippedPGLoss(...)))` through Megatron's schedule on gloo ranks,
-packed (THD) and dynamically batched (BSHD rows of similar length, also under PP=2).
+batch. Under test: `forward_backward(loss=PerSample(ClippedPGLoss(...)))` through Megatron's schedule, packed
+(THD) and dynamically batched (BSHD rows of similar length), with NeMo-RL's ``token_level_loss`` switch.
+The multi-rank layouts (CP, TP + SP, PP, TP x PP, dynamic CP, DP) and every other objective are in
+`test_pg_objectives.py`.
 """
 
 from __future__ import annotations
@@ -88,43 +90,6 @@ def test_single_rank_packed_and_dynamic_pg_equal_unpacked(reference):
     )[0]
     for result, ref in zip(results, reference["pg"] * 2, strict=True):
         _check(result, ref)
-
-
-@pytest.mark.slow
-def test_pg_on_cp2_dp2_tp2_pp2_dynamic_pp2_and_dynamic_cp_equals_unpacked(reference):
-    configs = [
-        *({"mode": "packing", "pg": pg, "cp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),  # DP=2
-        *({"mode": "packing", "pg": pg, "tp": 2, "pp": 2, "train_mb_tokens": 64} for pg in PG_CONFIGS),
-        # Dynamic batching (BSHD rows of similar length) through the pipeline: PP=2, DP=2.
-        *({"mode": "dynamic", "pg": pg, "pp": 2, "variable_seq_lengths": True, "train_mb_tokens": 64}
-          for pg in PG_CONFIGS),
-        # Dynamic CP: rows of CP size 1 and 2 (CP4: 2 and 4 too) on sub-groups; the unpacked view gathered per row.
-        {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 4, "dynamic_cp": True, "train_mb_tokens": 12},
-        {"mode": "packing", "pg": PG_CONFIGS[1], "cp": 2, "dynamic_cp": True, "train_mb_tokens": 16},
-        # ... and with dynamic batching's BSHD rows
-        {"mode": "dynamic", "pg": PG_CONFIGS[0], "cp": 4, "dynamic_cp": True, "train_mb_tokens": 12},
-        {"mode": "dynamic", "pg": PG_CONFIGS[1], "cp": 2, "dynamic_cp": True, "train_mb_tokens": 16},
-        # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
-        {"mode": "packing", "pg": PG_CONFIGS[0], "cp": 2, "train_mb_tokens": 64,
-         "negative_pg": "per_microbatch_normalization"},
-    ]  # fmt: skip
-    results = run_distributed(
-        "tests.step_workers:step_worker",
-        4,
-        configs=configs,
-        samples=ROLLOUTS,
-        state_dict=reference["state_dict"],
-        timeout=900,
-    )[0]
-    *good, wrong = results
-    for result, ref in zip(good, reference["pg"] * 5, strict=True):
-        _check(result, ref)
-        if result["config"].get("dynamic_cp"):
-            used = {k for k, n in result["cp_sizes"].items() if n}
-            assert len(used) > 1, result["cp_sizes"]  # rows of more than one CP size in the step
-    ref = reference["pg"][0]
-    assert abs(wrong["loss"] - ref["loss"]) > 1e-3 * abs(ref["loss"]), (wrong["loss"], ref["loss"])
-    print(f"per-micro-batch normalization (control): loss {abs(wrong['loss'] - ref['loss']) / abs(ref['loss']):.1e}")
 
 
 def test_bad_pg_settings_name_the_key():
