@@ -70,7 +70,7 @@ def reference():
 def _run(reference, world_size: int, configs: list[dict]) -> list[dict]:
     return run_distributed("tests.step_workers:step_worker", world_size, configs=configs, samples=ROLLOUTS,
                            state_dict=reference["state_dict"], logprob_samples=reference["sampled"],
-                           timeout=900)[0]  # fmt: skip
+                           timeout=max(900, 30 * len(configs)))[0]  # fmt: skip
 
 
 def _config(name: str, temperature: float, **layout) -> dict:
