@@ -105,3 +105,16 @@ def test_a_dynamic_cp_plan_needs_its_sub_groups_one_dense_chunk_and_its_domain()
     groups = DynamicCPGroups(groups={}, rank=0, size=1, max_cp=1)
     with pytest.raises(ValueError, match="the plan is for 2 DP x CP ranks but this run has 1"):
         _check(dense, plan, dataclasses.replace(one_rank, dynamic_cp=groups), verify=False)
+
+
+def test_a_reward_model_runs_only_value_losses_and_a_language_model_only_log_prob_losses():
+    from mcore_packing.megatron.schedule import _check_head
+
+    reward = types.SimpleNamespace(config=types.SimpleNamespace(mcore_packing_head="reward"))
+    language = types.SimpleNamespace(config=types.SimpleNamespace(mcore_packing_head="lm"))
+    with pytest.raises(ValueError, match=r"this model is a reward model .* no log-probs"):
+        _check_head(reward, uses_labels=True)
+    with pytest.raises(ValueError, match=r"build it with build_policy\(..., head='reward'\)"):
+        _check_head(language, uses_labels=False)
+    _check_head(reward, uses_labels=False)  # the controls: each with its own kind of loss
+    _check_head([language], uses_labels=True)

@@ -268,6 +268,7 @@ def build_gpt_chunks(
         chunks.append(DistributedDataParallel(config, ddp_config, model, pg_collection=pgs.collection,
                                               disable_bucketing=vp_stage > 0))  # fmt: skip
     config.finalize_model_grads_func = finalize_model_grads
+    config.mcore_packing_head = head  # every stage's config says what the last stage ends in (`schedule`)
     config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [chunk.no_sync for chunk in chunks]
     return chunks, config
 

@@ -88,15 +88,15 @@ def forward_backward(
         verify: check with one all-gather that every rank planned the same step.
     """
     loss = TokenMeanNLL() if loss is None else loss
+    _check_loss(loss, plan)
+    _check_head(model, uses_labels=loss.uses_labels)
     if _is_dynamic_cp(plan):
         from .dynamic_cp import forward_backward_dynamic_cp
 
         _check_samples(samples, plan)
-        _check_loss(loss, plan)
         return forward_backward_dynamic_cp(model, samples, plan, process_groups, loss=loss, forward_only=forward_only,
                                            device=_device(device), verify=verify)  # fmt: skip
     model_config = _check_step(model, samples, plan)
-    _check_loss(loss, plan)
     if verify and group_size(process_groups.dp_cp) > 1:
         verify_plan_across_ranks(plan, process_groups.dp_cp)
     device = _device(device)
@@ -156,6 +156,7 @@ def compute_logprobs(
     result is broadcast over the pipeline. A dynamic-CP plan (`planning.dynamic_cp.DynamicCPPlan`) runs
     each row on its CP sub-group (`dynamic_cp.compute_logprobs_dynamic_cp`).
     """
+    _check_head(model, uses_labels=True)
     if _is_dynamic_cp(plan):
         from .dynamic_cp import compute_logprobs_dynamic_cp
 
@@ -350,6 +351,22 @@ def _check_schedule_config(plan: StepPlan, model_config, num_chunks: int = 1) ->
                 "Packing with pipeline parallelism needs one row length per micro-batch (fixed_length=True) or "
                 "TransformerConfig(variable_seq_lengths=True)."
             )
+
+
+def _check_head(model, *, uses_labels: bool) -> None:
+    """A reward model (`reward_head`, no vocabulary) runs only losses over its values, and a language model
+    only losses over its labels' log-probs (the head is recorded on the config, which every pipeline stage
+    has, so every rank decides alike)."""
+    from megatron.core.utils import get_model_config
+
+    reward = getattr(get_model_config(model[0] if isinstance(model, list) else model), "mcore_packing_head",
+                     "lm") == "reward"  # fmt: skip
+    if reward and uses_labels:
+        raise ValueError("this model is a reward model (head='reward': one score per token, no vocabulary); it has "
+                         "no log-probs. Score it with a PerSequenceValues loss (rl.rm_step, rl.pair_rewards).")
+    if not reward and not uses_labels:
+        raise ValueError("this loss reads a reward model's scores (uses_labels=False), but the model ends in the "
+                         "vocabulary: build it with build_policy(..., head='reward').")
 
 
 def _check_loss(loss, plan: StepPlan) -> None:

@@ -159,15 +159,8 @@ class PerGroup(StepLoss):
     needs_plan_groups = True
 
     def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
-        group_ids = prep.group_ids
-        members: dict = {}
-        for item in _rows(prep, output, process_groups, entropy):
-            members.setdefault(group_ids[item[0]], []).append(item)
-        total = output.new_zeros((), dtype=torch.float32)
-        with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group
-            for items in members.values():
-                total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
-        return total / (self.global_count(totals) * process_groups.cp_size)
+        rows = _rows(prep, output, process_groups, entropy)
+        return _share_of_groups(self.fn, rows, prep, output, process_groups, self.global_count(totals))
 
 
 @dataclass(frozen=True)
@@ -183,15 +176,21 @@ class PerSequenceValues(StepLoss):
     uses_labels = False
 
     def micro_batch_sum(self, prep, output, process_groups, totals, entropy=None):
-        group_ids = prep.group_ids
-        members: dict = {}
-        for item in per_sample_values(prep, output, process_groups):
-            members.setdefault(group_ids[item[0]], []).append(item)
-        total = output.new_zeros((), dtype=torch.float32)
-        with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group
-            for items in members.values():
-                total = total + _check_scalar(self.fn(sorted(items, key=lambda item: item[0])), "group")
-        return total / (self.global_count(totals) * process_groups.cp_size)
+        rows = per_sample_values(prep, output, process_groups)
+        return _share_of_groups(self.fn, rows, prep, output, process_groups, self.global_count(totals))
+
+
+def _share_of_groups(fn: Callable, rows, prep, output, process_groups, divisor: int) -> torch.Tensor:
+    """``fn(members)`` summed over the micro-batch's groups (``rows``: per-sample tuples, sample id first;
+    members in sample order), divided by ``divisor`` and by CP."""
+    members: dict = {}
+    for item in rows:
+        members.setdefault(prep.group_ids[item[0]], []).append(item)
+    total = output.new_zeros((), dtype=torch.float32)
+    with muted(process_groups.cp_rank != 0):  # metrics counted once per CP group
+        for items in members.values():
+            total = total + _check_scalar(fn(sorted(items, key=lambda item: item[0])), "group")
+    return total / (divisor * process_groups.cp_size)
 
 
 def policy_step_loss(loss, sample_ids: Sequence[int] | None = None) -> StepLoss:
