@@ -23,6 +23,9 @@ def _rollouts(path, groups: dict[str, int], logprobs: bool = False) -> str:
     return _write(path, "\n".join(lines) + "\n")
 
 
+# a dry run of GRPO on two groups of two rollouts (without generation log-probs)
+GRPO_DRY_RUN = ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2"]
+
 CASES = {
     # train --dry-run: data
     "data.path missing": (["train", "--dry-run", "data=jsonl"], "data.source=jsonl needs data.path"),
@@ -110,44 +113,37 @@ CASES = {
     ),
     # the policy loss (loss_fn) and the sampling temperature
     "a clip range with low = high": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.ratio_clip_min=0", "loss_fn.ratio_clip_max=0"],
+        [*GRPO_DRY_RUN, "loss_fn.ratio_clip_min=0", "loss_fn.ratio_clip_max=0"],
         "loss_fn.ratio_clip_min=0 and ratio_clip_max=0 clip the ratio to exactly 1 (low = high)",
     ),
     "importance-sampling bounds with low >= high": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.use_importance_sampling_correction=true", "loss_fn.truncated_importance_sampling_type=icepop",
-         "loss_fn.truncated_importance_sampling_ratio_min=2", "loss_fn.truncated_importance_sampling_ratio=1.5"],
+        [*GRPO_DRY_RUN, "loss_fn.use_importance_sampling_correction=true",
+         "loss_fn.truncated_importance_sampling_type=icepop", "loss_fn.truncated_importance_sampling_ratio_min=2",
+         "loss_fn.truncated_importance_sampling_ratio=1.5"],
         "loss_fn.truncated_importance_sampling_ratio_min=2.0 must be below truncated_importance_sampling_ratio=1.5",
     ),
     "a temperature <= 0": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "grpo.temperature=0"],
+        [*GRPO_DRY_RUN, "grpo.temperature=0"],
         "grpo.temperature=0.0 must be a finite number > 0",
     ),
     "the importance-sampling correction without generation log-probs": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.use_importance_sampling_correction=true"],
+        [*GRPO_DRY_RUN, "loss_fn.use_importance_sampling_correction=true"],
         "but 4 of 4 rollouts in",
     ),
     "an unknown loss aggregation mode": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.loss_agg_mode=seq-sum"],
+        [*GRPO_DRY_RUN, "loss_fn.loss_agg_mode=seq-sum"],
         "loss_agg_mode must be one of token-mean, seq-mean-token-mean",
     ),
     "seq-mean-token-sum-norm without its constant": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.loss_agg_mode=seq-mean-token-sum-norm"],
+        [*GRPO_DRY_RUN, "loss_fn.loss_agg_mode=seq-mean-token-sum-norm"],
         "seq-mean-token-sum-norm needs loss_agg_norm_constant: a constant divisor",
     ),
     "token_level_loss against loss_agg_mode": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.token_level_loss=true", "loss_fn.loss_agg_mode=seq-mean-token-sum"],
+        [*GRPO_DRY_RUN, "loss_fn.token_level_loss=true", "loss_fn.loss_agg_mode=seq-mean-token-sum"],
         "token_level_loss=True means loss_agg_mode=token-mean",
     ),
     "prompt-mean on padded batches": (
-        ["train", "--dry-run", "algorithm=grpo", "grpo.rollouts={rollouts}", "grpo.num_prompts_per_step=2",
-         "loss_fn.loss_agg_mode=prompt-mean", "sequence_packing.enabled=false"],
+        [*GRPO_DRY_RUN, "loss_fn.loss_agg_mode=prompt-mean", "sequence_packing.enabled=false"],
         "loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one micro-batch",
     ),
     # plan

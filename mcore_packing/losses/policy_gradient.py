@@ -45,8 +45,6 @@ __all__ = ["METRIC_KEYS", "ClippedPGLoss"]
 METRIC_KEYS = ("tokens", "clipped", "approx_kl", "ratio", "reference_kl", "gen_ratio", "is_truncated", "is_zeroed",
                "entropy")
 
-KL = torch.Tensor | None  # the per-token KL estimate to the reference, when the KL penalty is on
-
 
 class ClippedPGLoss(MetricSums):
     """The per-sample policy-gradient loss of `ClippedPGConfig`, for the step-loss protocol:

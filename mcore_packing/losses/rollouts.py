@@ -20,6 +20,7 @@ from ..data.sample import SequenceSample
 
 __all__ = [
     "Rollout",
+    "check_generation_logprobs",
     "check_group_sizes",
     "check_rollout",
     "check_rollouts",
@@ -92,6 +93,18 @@ def check_rollouts(rollouts: Sequence[Rollout], *, grpo: bool = True, names: Seq
     bad.raise_any()
     if grpo:
         check_group_sizes([r.group_id for r in rollouts])
+
+
+def check_generation_logprobs(missing: Sequence[int], total: int, *, where: str = "", example: str = "") -> None:
+    """The importance-sampling correction weighs every token by the inference engine's log-prob: rollouts
+    without them (``missing`` of ``total``, in ``where``; ``example`` names one) are refused, naming the key,
+    never weighted 1 unsaid."""
+    if missing:
+        raise ValueError(
+            f"loss_fn.use_importance_sampling_correction=true weighs each token by the inference engine's log-prob, "
+            f"but {len(missing)} of {total} rollouts{where} have no generation_logprobs{example}. Have the engine "
+            "write them, or set loss_fn.use_importance_sampling_correction=false."
+        )
 
 
 def check_group_sizes(group_ids: Sequence) -> None:

@@ -87,10 +87,6 @@ class EntropyCapture:
         return self._queue.popleft()
 
 
-def _chunks(model) -> list:
-    return list(model) if isinstance(model, (list, tuple)) else [model]
-
-
 @contextlib.contextmanager
 def capture_entropy(model, group=None, chunk_tokens: int = 1024):
     """Within the block, every forward of ``model``'s output layers (the last stage's chunks) queues the
@@ -108,7 +104,7 @@ def capture_entropy(model, group=None, chunk_tokens: int = 1024):
             return (logits, *output[1:]) if isinstance(output, tuple) else logits
         return None
 
-    handles = [layer.register_forward_hook(hook) for layer in output_layers(_chunks(model))]
+    handles = [layer.register_forward_hook(hook) for layer in output_layers(model)]
     try:
         yield capture
     finally:

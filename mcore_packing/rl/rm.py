@@ -11,9 +11,12 @@ its last token's). Metrics are means over the step's pairs on every rank.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from ..data.preference import pair_ids
 from ..data.sample import SequenceSample
@@ -52,10 +55,11 @@ def rm_step(policy: Policy, samples: Sequence[SequenceSample], plan_config: Step
 
 def pair_rewards(policy: Policy, samples: Sequence[SequenceSample], plan_config: StepPlanConfig) -> dict:
     """Score ``samples`` (pair order) with the reward model, forward only: ``{"chosen": [...], "rejected":
-    [...], "accuracy": a, "loss": l}`` on every rank (rewards in pair order)."""
+    [...], "accuracy": a, "loss": l}`` on every rank (rewards in pair order; ``loss`` the plain
+    Bradley-Terry loss, -log sigmoid(r_chosen - r_rejected), without margin or centering)."""
     from ..collectives import all_gather_object
 
-    scores: dict[int, float] = {}
+    scores: dict = {}  # sample id -> its reward, a 0-d tensor on the device until the pass is over
 
     def record(members):
         (chosen, scores_c), (rejected, scores_r) = members
@@ -67,18 +71,22 @@ def pair_rewards(policy: Policy, samples: Sequence[SequenceSample], plan_config:
     start = time.perf_counter()
     forward_backward(policy.model, samples, plan, policy.process_groups, loss=PerSequenceValues(record),
                      forward_only=True, device=policy.device)  # fmt: skip
-    mine = {i: float(v) for i, v in scores.items()}  # once, after the pass
+    ids = list(scores)
+    mine = dict(zip(ids, torch.stack([scores[i] for i in ids]).tolist() if ids else [], strict=True))  # one copy
     merged: dict[int, float] = {}
     for part in all_gather_object(mine):  # every rank: the last pipeline stage's DP x CP ranks scored them
         merged.update(part)
     chosen = [merged[2 * i] for i in range(len(samples) // 2)]
     rejected = [merged[2 * i + 1] for i in range(len(samples) // 2)]
-    import math
-
-    losses = [math.log1p(math.exp(-(c - r))) for c, r in zip(chosen, rejected, strict=True)]
+    losses = [_softplus(r - c) for c, r in zip(chosen, rejected, strict=True)]  # -log sigmoid(c - r)
     return {"chosen": chosen, "rejected": rejected, "seconds": time.perf_counter() - start,
             "accuracy": sum(c > r for c, r in zip(chosen, rejected, strict=True)) / max(len(chosen), 1),
             "loss": sum(losses) / max(len(losses), 1)}  # fmt: skip
+
+
+def _softplus(x: float) -> float:
+    """log(1 + exp(x)) without overflow for large ``x``."""
+    return max(x, 0.0) + math.log1p(math.exp(-abs(x)))
 
 
 def _means(loss: RewardPairLoss) -> dict:

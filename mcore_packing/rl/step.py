@@ -24,7 +24,14 @@ from dataclasses import dataclass, replace
 
 from ..losses import ClippedPGConfig, ClippedPGLoss
 from ..losses.policy_gradient import METRIC_KEYS as PG_METRIC_KEYS
-from ..losses.rollouts import Rollout, check_rollouts, grpo_advantages, minibatches, rollout_samples
+from ..losses.rollouts import (
+    Rollout,
+    check_generation_logprobs,
+    check_rollouts,
+    grpo_advantages,
+    minibatches,
+    rollout_samples,
+)
 from ..megatron import Policy, StepOutcome, compute_logprobs, logits_temperature, policy_step_loss, train_step
 from ..planning import StepPlan, StepPlanConfig, plan_step
 from .config import GRPOConfig
@@ -93,7 +100,7 @@ def rl_step(
             "reference=build_policy(shape, layout, ...) without an optimizer (the starting weights)."
         )
     check_rollouts(rollouts, grpo=True)
-    check_generation_logprobs(rollouts, loss)
+    _check_generation_logprobs(rollouts, loss)
     samples = rollout_samples(rollouts)
     lengths = [len(s.tokens) for s in samples]
     group_ids = [r.group_id for r in rollouts]
@@ -137,19 +144,13 @@ def rl_step(
                         outcome, [o.result.loss for o in outcomes])  # fmt: skip
 
 
-def check_generation_logprobs(rollouts: Sequence[Rollout], loss: ClippedPGConfig) -> None:
-    """The importance-sampling correction weighs every token by the inference engine's log-prob: a rollout
-    without them is refused, naming the key (not silently weighted 1)."""
+def _check_generation_logprobs(rollouts: Sequence[Rollout], loss: ClippedPGConfig) -> None:
+    """With the importance-sampling correction, every rollout carries its generation log-probs."""
     if not loss.use_importance_sampling_correction:
         return
     missing = [i for i, r in enumerate(rollouts) if r.generation_logprobs is None]
-    if missing:
-        raise ValueError(
-            f"loss_fn.use_importance_sampling_correction=true weighs each token by the inference engine's "
-            f"log-prob, but {len(missing)} of {len(rollouts)} rollouts (e.g. rollout {missing[0]}, group "
-            f"{rollouts[missing[0]].group_id!r}) have no generation_logprobs. Have the engine return them, or set "
-            "loss_fn.use_importance_sampling_correction=false."
-        )
+    example = f" (e.g. rollout {missing[0]}, group {rollouts[missing[0]].group_id!r})" if missing else ""
+    check_generation_logprobs(missing, len(rollouts), example=example)
 
 
 def _combined(outcomes: list[StepOutcome]) -> StepOutcome:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 from ...losses.rollouts import (
     Rollout,
+    check_generation_logprobs,
     check_rollouts,
     group_members,
     minibatches,
@@ -70,16 +71,14 @@ def _check_generation_logprobs(data: RunData, where: str) -> None:
     records = data.records
     if isinstance(records, StoreRollouts):
         missing = records.store.without_logprobs().tolist()
-        first = f" (e.g. rollout {missing[0]})" if missing else ""
+        example = f" (e.g. rollout {missing[0]})" if missing else ""
     else:
         missing = [i for i, r in enumerate(records) if r.generation_logprobs is None]
-        first = f" (e.g. line {missing[0] + 1})" if missing else ""
-    if missing:
-        raise ConfigError(
-            f"loss_fn.use_importance_sampling_correction=true weighs each token by the inference engine's log-prob, "
-            f"but {len(missing)} of {len(records)} rollouts in {where} have no generation_logprobs{first}. Have the "
-            "engine write them, or set loss_fn.use_importance_sampling_correction=false."
-        )
+        example = f" (e.g. line {missing[0] + 1})" if missing else ""
+    try:
+        check_generation_logprobs(missing, len(records), where=f" in {where}", example=example)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _load_jsonl(cfg) -> RunData:
@@ -145,13 +144,9 @@ def check_data(cfg, data: RunData, step_config) -> None:
     every DP rank needs a group of its own; with ``loss_fn.loss_agg_mode=prompt-mean`` every group must
     fit one micro-batch of the training pass."""
     if cfg.loss_fn.aggregation == "prompt-mean":
-        key = budget_key(step_config, forward_only=False, cfg=cfg)
-        try:
-            step_config.check_groups_fit(list(data.sample_lengths()), sample_groups(data), forward_only=False,
-                                         key=key)  # fmt: skip
-        except ValueError as exc:
-            raise ConfigError(f"{exc} (loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one "
-                              "micro-batch of the training pass.)") from None  # fmt: skip
+        _check_groups_fit(cfg, data, step_config, forward_only=False,
+                          why="loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one micro-batch "
+                              "of the training pass.")  # fmt: skip
     if not cfg.grpo.keep_groups_together:
         return
     prompts = cfg.grpo.num_prompts_per_step
@@ -160,12 +155,20 @@ def check_data(cfg, data: RunData, step_config) -> None:
             f"grpo.num_prompts_per_step={prompts} is fewer than the {step_config.layout.dp} data-parallel ranks: with "
             "grpo.keep_groups_together=true every rank needs a whole group. Raise it, or set it to false."
         )
-    key = budget_key(step_config, forward_only=True, cfg=cfg)
+    _check_groups_fit(cfg, data, step_config, forward_only=True,
+                      why="grpo.keep_groups_together=true keeps each group in one micro-batch of the log-prob pass; "
+                          "set it to false to let groups split.")  # fmt: skip
+
+
+def _check_groups_fit(cfg, data: RunData, step_config, *, forward_only: bool, why: str) -> None:
+    """Every group fits one micro-batch of the pass (``forward_only``: the log-prob pass), else a
+    `ConfigError` naming the budget's key and ``why`` the groups stay whole."""
+    key = budget_key(step_config, forward_only=forward_only, cfg=cfg)
     try:
-        step_config.check_groups_fit(list(data.sample_lengths()), sample_groups(data), forward_only=True, key=key)
+        step_config.check_groups_fit(list(data.sample_lengths()), sample_groups(data), forward_only=forward_only,
+                                     key=key)  # fmt: skip
     except ValueError as exc:
-        raise ConfigError(f"{exc} (grpo.keep_groups_together=true keeps each group in one micro-batch of the "
-                          "log-prob pass; set it to false to let groups split.)") from None  # fmt: skip
+        raise ConfigError(f"{exc} ({why})") from None
 
 
 BATCH_KEY = "grpo.num_prompts_per_step"  # the key of batch_units
@@ -179,11 +182,14 @@ def optimizer_steps(cfg) -> int:
     return cfg.grpo.num_minibatches
 
 
-def training_passes(cfg, data: RunData, batch_ids: list[int]) -> list[tuple[list[int], None]]:
-    """One plan per minibatch (``grpo.num_minibatches`` runs of whole groups), no groups kept: the loss is
-    per sample, so `rl.rl_step` lets groups split in its training pass."""
+def training_passes(cfg, data: RunData, batch_ids: list[int]) -> list[tuple[list[int], list | None]]:
+    """One plan per minibatch (``grpo.num_minibatches`` runs of whole groups), as `rl.rl_step` plans its
+    training pass: the loss is per sample, so groups may split, except under
+    ``loss_fn.loss_agg_mode=prompt-mean``, whose groups each share a micro-batch."""
     group_ids = [data.records[i].group_id for i in batch_ids]
-    return [([batch_ids[i] for i in part], None) for part in minibatches(group_ids, cfg.grpo.num_minibatches)]
+    per_prompt = cfg.loss_fn.aggregation == "prompt-mean"
+    return [([batch_ids[i] for i in part], [group_ids[i] for i in part] if per_prompt else None)
+            for part in minibatches(group_ids, cfg.grpo.num_minibatches)]  # fmt: skip
 
 
 def make_step(cfg, inputs, setup):
