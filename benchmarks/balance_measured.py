@@ -37,8 +37,6 @@ def main(argv=None) -> int:
     parser.add_argument("--dp", type=int, default=4, help="simulated data-parallel ranks")
     parser.add_argument("--out", default="benchmarks/results/balance_measured.json")
     args = parser.parse_args(argv)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29300 + os.getpid() % 500))
     import torch
     import torch.distributed as dist
 
@@ -51,11 +49,12 @@ def main(argv=None) -> int:
         cpu_device_adapter,
         forward_backward,
         initialize_parallel,
+        start_world_of_one,
     )
     from mcore_packing.planning import CostModel, StepPlanConfig, plan_step
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    start_world_of_one("gloo")
     initialize_parallel()
     data = load_sft_data(num_samples=512)
     shape = ModelConfig(num_query_groups=2, ffn_hidden_size=512).shape(data.vocab_size)  # the main job's model

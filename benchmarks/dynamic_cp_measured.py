@@ -16,7 +16,6 @@ dynamic``: dynamic batching's padded BSHD rows, static against dynamic CP.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 
@@ -32,8 +31,8 @@ def lengths_for(step: int, n: int):
     return np.clip(np.rint(rng.lognormal(np.log(256) - 1.5**2 / 2, 1.5, n)), 32, 2048).astype(np.int64)
 
 
-def worker(rank: int, port: int, steps: int, per_rank: int, mode: str, out: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD))
+def worker(rank: int, rendezvous: str, steps: int, per_rank: int, mode: str, out: dict) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD))
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -49,7 +48,7 @@ def worker(rank: int, port: int, steps: int, per_rank: int, mode: str, out: dict
     from mcore_packing.thd import SequenceSample
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=rendezvous, rank=rank, world_size=WORLD)
     layout = ParallelLayout(cp=CP, dp=WORLD // CP)
     shape = ModelShape(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, vocab_size=512,
                        max_sequence_length=4096)  # fmt: skip
@@ -80,11 +79,11 @@ def worker(rank: int, port: int, steps: int, per_rank: int, mode: str, out: dict
     dist.destroy_process_group()
 
 
-def _entry(rank, port, steps, per_rank, mode, path):
+def _entry(rank, rendezvous, steps, per_rank, mode, path):
     import json
 
     out: dict = {}
-    worker(rank, port, steps, per_rank, mode, out)
+    worker(rank, rendezvous, steps, per_rank, mode, out)
     if rank == 0:
         with open(path, "w") as f:
             json.dump(out, f)
@@ -101,18 +100,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="timed steps of each (after one warm-up)")
     parser.add_argument("--per-rank", type=int, default=16, help="samples per rank per step")
     parser.add_argument("--mode", choices=["packing", "dynamic"], default="packing",
-                        help="rows: packed THD (packing) or dynamic batching's BSHD rows (dynamic)")
+                        help="rows: packed THD (packing) or dynamic batching's BSHD rows (dynamic)")  # fmt: skip
     parser.add_argument("--out", default=None, help="default: benchmarks/results/dynamic_cp_measured[_dynamic].json")
     args = parser.parse_args(argv)
     suffix = "_dynamic" if args.mode == "dynamic" else ""
     args.out = args.out or f"benchmarks/results/dynamic_cp_measured{suffix}.json"
     config = run_config(args, world=WORLD, cp=CP, max_tokens_per_rank=BUDGET)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "out.json")
-        mp.start_processes(_entry, args=(port, args.steps, args.per_rank, args.mode, path), nprocs=WORLD,
+        path, rendezvous = os.path.join(tmp, "out.json"), "file://" + os.path.join(tmp, "rendezvous")
+        mp.start_processes(_entry, args=(rendezvous, args.steps, args.per_rank, args.mode, path), nprocs=WORLD,
                            start_method="spawn")  # fmt: skip
         with open(path) as f:
             out = json.load(f)

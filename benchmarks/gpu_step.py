@@ -179,16 +179,19 @@ def run_model(args, config: dict) -> int:
     import torch.distributed as dist
 
     from mcore_packing.compat import te_available
-    from mcore_packing.megatron import ProcessGroups, build_gpt_model, cpu_device_adapter, initialize_parallel
+    from mcore_packing.megatron import (
+        ProcessGroups,
+        build_gpt_model,
+        cpu_device_adapter,
+        initialize_parallel,
+        start_world_of_one,
+    )
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU; none is visible (use --plan-only without one).")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
     if args.device == "cuda":
         torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=0, world_size=1)
+    start_world_of_one("nccl" if args.device == "cuda" else "gloo")
     initialize_parallel()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32

@@ -75,14 +75,12 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
         args.batch_size, args.max_len, args.mb_tokens, args.steps = 8, 128, 512, 1
         args.distributions = args.distributions[:1]
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
     import torch
     import torch.distributed as dist
 
     from mcore_packing.compat import te_available
     from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, forward_backward
-    from mcore_packing.megatron.model import build_gpt_model, initialize_parallel
+    from mcore_packing.megatron.model import build_gpt_model, initialize_parallel, start_world_of_one
     from mcore_packing.planning import ModelShape, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
 
@@ -92,8 +90,7 @@ def main(argv=None, description: str = __doc__, defaults: dict | None = None) ->
         raise SystemExit("--device cuda needs a CUDA GPU; none is visible.")
     else:
         torch.cuda.set_device(0)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo" if args.device == "cpu" else "nccl", rank=0, world_size=1)
+    start_world_of_one("gloo" if args.device == "cpu" else "nccl")
     initialize_parallel()
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32

@@ -2,7 +2,8 @@
 rank returns.
 
 The worker is named as ``"module:function"`` so the spawned interpreters can import it. Each rank
-initializes a gloo process group on a free local port, calls the function with ``(rank, world_size,
+initializes a gloo process group that meets in a file of its own temporary folder (a TCP port picked
+free can be taken by a neighbouring test before rank 0 binds it), calls the function with ``(rank, world_size,
 **kwargs)``, and pickles its return value (or its traceback) to a temporary file.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 import importlib
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -20,17 +20,8 @@ import warnings
 import torch.multiprocessing as mp
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, world_size: int, target: str, kwargs: dict, port: int, out_dir: str,
-           backend: str = "gloo") -> None:  # fmt: skip
+def _entry(rank: int, world_size: int, target: str, kwargs: dict, out_dir: str, backend: str = "gloo") -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
@@ -44,7 +35,8 @@ def _entry(rank: int, world_size: int, target: str, kwargs: dict, port: int, out
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        rendezvous = "file://" + os.path.join(out_dir, "rendezvous")
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size)
         module_name, function_name = target.split(":")
         fn = getattr(importlib.import_module(module_name), function_name)
         result = {"ok": fn(rank, world_size, **kwargs)}
@@ -72,7 +64,7 @@ def run_distributed(target: str, world_size: int, timeout: float = 600.0, backen
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _entry,
-            args=(world_size, target, kwargs, free_port(), out_dir, backend),
+            args=(world_size, target, kwargs, out_dir, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -65,20 +65,12 @@ LENGTHS = (300, 1, 77, 512, 129)
 @pytest.fixture(scope="module")
 def single_rank():
     """A world of one (NCCL) with Megatron's parallel state, for GPTModel on the GPU."""
-    import os
-    import socket
-
     import torch.distributed as dist
 
-    from mcore_packing.megatron import initialize_parallel
+    from mcore_packing.megatron import initialize_parallel, start_world_of_one
 
-    if not dist.is_initialized():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        torch.cuda.set_device(0)
-        dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    start_world_of_one("nccl")
     initialize_parallel()
     yield
     dist.destroy_process_group()

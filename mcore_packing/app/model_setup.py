@@ -9,7 +9,6 @@ builder of the policy and of the GRPO reference.
 from __future__ import annotations
 
 import os
-import socket
 from dataclasses import dataclass
 from functools import partial
 
@@ -35,23 +34,21 @@ def init_distributed(backend: str = "auto") -> None:
     import torch
     import torch.distributed as dist
 
+    from ..megatron import start_world_of_one
+
     if dist.is_initialized():
         return
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    launched = "RANK" in os.environ
+    if not launched:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    if launched:
+        dist.init_process_group(backend)
+    else:
+        start_world_of_one(backend)
 
 
 def default_device():

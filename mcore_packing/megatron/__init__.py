@@ -10,8 +10,9 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `seeded_init`: initial weights that are a function of the seed and the shape only (any layout, device).
 - `attention`: `PackedCoreAttention`, THD/BSHD causal attention for the local layer spec.
 - `layer_spec`: `get_packed_gpt_layer_spec` / `get_packed_gpt_block_spec` (TE's when importable).
-- `model`: `initialize_parallel`, `transformer_config` (from a `ModelShape`), `build_gpt_model`,
-  `build_gpt_chunks` (a stage's chunks under a virtual pipeline).
+- `model`: `start_world_of_one` (a plain process's world, its store in memory), `initialize_parallel`,
+  `transformer_config` (from a `ModelShape`), `build_gpt_model`, `build_gpt_chunks` (a stage's chunks under a
+  virtual pipeline).
 - `dynamic_cp`: the step of a dynamic-CP plan (each planned row on its CP sub-group), reached through
   `forward_backward` / `compute_logprobs`.
 - `_patches`: every change to megatron-core's or torch's behaviour, each tied to the megatron-core versions
@@ -45,7 +46,7 @@ from .layer_spec import (
     get_packed_gpt_layer_spec,
     resolve_attention_backend,
 )
-from .model import build_gpt_chunks, build_gpt_model, initialize_parallel, transformer_config
+from .model import build_gpt_chunks, build_gpt_model, initialize_parallel, start_world_of_one, transformer_config
 from .packed_seq import ThdLayout, thd_layout, to_packed_seq_params
 from .policy import Policy, build_policy
 from .prepare import PreparedMicroBatch, per_sample_logprobs, prepare_micro_batch
@@ -102,6 +103,7 @@ __all__ = [
     "prepare_micro_batch",
     "resolve_attention_backend",
     "seeded_init_",
+    "start_world_of_one",
     "te_thd_fields",
     "thd_layout",
     "to_packed_seq_params",

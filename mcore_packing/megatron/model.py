@@ -33,6 +33,16 @@ HEADS = ("lm", "reward")
 """What the last stage ends in: the vocabulary projection, or a reward model's score head."""
 
 
+def start_world_of_one(backend: str = "gloo") -> None:
+    """Start torch.distributed as a world of one process (rank 0) whose store lives in memory: no
+    MASTER_PORT to pick, so no port a neighbouring process can take between the pick and the bind. A no-op
+    when torch.distributed is already started. ``backend="nccl"`` wants ``torch.cuda.set_device`` first."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
 def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 1234) -> None:
     """Initialize Megatron's model-parallel groups for ``layout`` (torch.distributed must be initialized)."""
     require_megatron()
