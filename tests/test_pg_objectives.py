@@ -194,7 +194,8 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     (CP4 packed, CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step
     (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; the control: each micro-batch
     divided by its own token count fails. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on every layout at
-    both temperatures (84 steps instead of 12; not in CI's time budget)."""
+    both temperatures (84 steps instead of 12; not in CI's time budget), ``MCORE_PACKING_PG_LAYOUTS=0,3`` runs
+    those layouts (indices into the list below) only."""
     layouts = [
         {"cp": 2},
         {"tp": 2, "sp": True},
@@ -210,6 +211,9 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
             layout = layouts[(2 * k + j) % len(layouts)]
             configs.append(_config(name, TEMPERATURES[(k + j) % 2], **layout))
     if os.environ.get("MCORE_PACKING_PG_FULL_CROSS") == "1":  # every case on every layout at both temperatures
+        picked = os.environ.get("MCORE_PACKING_PG_LAYOUTS")  # e.g. "0,1": those layouts only (runs in parts)
+        if picked:
+            layouts = [layouts[int(i)] for i in picked.split(",")]
         configs = [_config(name, t, **layout) for name in NAMES for layout in layouts for t in TEMPERATURES]
     count = len(configs)
     configs += [{**_config(NAMES[0], 0.7), "label": "DP4"}, {**_config(NAMES[4], 1.0), "label": "DP4"}]

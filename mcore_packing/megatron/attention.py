@@ -28,6 +28,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..compat import require_megatron, varlen_attention, varlen_attn_available
 from ..thd.context_parallel import all_gather_cat, bshd_inverse_order
 from .packed_seq import ThdLayout, cp_inverse_index, thd_layout
+from .shared_prefix import SharedPrefixAttention, shared_prefix_of
 
 require_megatron()
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
@@ -149,6 +150,14 @@ class PackedCoreAttention(MegatronModule):
         layout = thd_layout(params)
         group = self._micro_batch_group(params)
         cp_size = group.size() if group is not None else 1
+        shared = shared_prefix_of(params)
+        if shared is not None:
+            if cp_size > 1:
+                raise ValueError(
+                    "a shared-prefix row (grpo.shared_prefix) runs without context parallelism; set "
+                    "context_parallel.size=1 or grpo.shared_prefix=false."
+                )
+            return self._thd_shared_prefix(q, k, v, layout, shared)
         if cp_size == 1:
             if self._use_varlen(q):
                 return self._thd_varlen(q, k, v, params, layout)
@@ -160,6 +169,29 @@ class PackedCoreAttention(MegatronModule):
                 out[s] = self._sdpa(q[s], k[s], v[s])
             return out
         return self._thd_context_parallel(q, k, v, params, layout, group)
+
+    def _thd_shared_prefix(self, q, k, v, layout: ThdLayout, shared: SharedPrefixAttention) -> torch.Tensor:
+        """A shared-prefix row (`thd.shared_prefix`): a member segment's queries attend to its context's keys
+        (rotated back by the member's key shift, `megatron.shared_prefix`) and values, then causally to its
+        own, aligned bottom-right; a context or a plain sequence attends causally to itself. One rotated
+        copy of a context's keys per distinct shift; SDPA per segment (the CPU path; a GPU kernel would take
+        separate query and key cu_seqlens)."""
+        out = torch.zeros_like(q)
+        rotated: dict[tuple[int, int], torch.Tensor] = {}
+        for j, (start, n) in enumerate(zip(layout.padded_starts, layout.real_lengths, strict=True)):
+            if n == 0:
+                continue
+            s, context = slice(start, start + n), shared.context(j)
+            if context < 0:
+                out[s] = self._sdpa(q[s], k[s], v[s])
+                continue
+            c = slice(layout.padded_starts[context], layout.padded_starts[context] + layout.real_lengths[context])
+            shift = shared.key_shifts[j]
+            if (context, shift) not in rotated:
+                rotated[context, shift] = shared.rotate_keys(k[c], shift, self.config, self.cp_group)
+            keys, values = torch.cat([rotated[context, shift], k[s]]), torch.cat([v[c], v[s]])
+            out[s] = self._sdpa(q[s], keys, values)
+        return out
 
     def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q

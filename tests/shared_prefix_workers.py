@@ -1,0 +1,121 @@
+"""Inside a spawned gloo rank: a shared-prefix row through a tiny real GPTModel against each sequence alone.
+
+The reference runs every sequence on its own through Megatron's stock DotProductAttention (local spec,
+BSHD, an explicit causal mask): it shares no code with the shared-prefix path beyond the model's layers
+and Megatron's RoPE.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+
+import torch
+
+from .megatron_workers import _grads, build_tiny_gpt, init_megatron
+
+
+def _functional(rows, seed: int) -> torch.Tensor:
+    """A fixed random weighting of each sequence's logits, defined per sequence and position (any layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    return sum((row * torch.randn(row.shape, generator=generator)).sum() for row in rows)
+
+
+def _shared_forward(model, row, attention, rotary, labels: bool) -> list[torch.Tensor]:
+    """The row's per-sequence outputs (logits, or per-token losses with ``labels``), in sample order;
+    ``attention`` edits the attached `SharedPrefixAttention` first (the controls)."""
+    from mcore_packing.megatron import to_packed_seq_params
+    from mcore_packing.megatron.shared_prefix import attach_shared_prefix
+
+    params = attach_shared_prefix(to_packed_seq_params(row.batch), row, rotary, "cpu")
+    if attention is not None:
+        attention(params)
+    kwargs = {"labels": row.batch.labels} if labels else {}
+    output = model(row.batch.tokens, row.batch.position_ids, None, packed_seq_params=params, **kwargs)
+    rows = row.sample_rows(output[0])
+    return [rows[row.sample_ids.index(i)] for i in range(len(rows))]
+
+
+def shared_prefix_worker(rank, world_size, cases):
+    """World of 1. For each case (``tokens``: the sequences, ``groups``, ``prompts``, ``rule``): per-sequence
+    logits, log-probs and parameter gradients of a fixed functional, from the shared-prefix row, from the
+    ordinary packed row of the same sequences, and from one forward per sequence; and two controls: the
+    context's keys left unrotated, and each later member attending to the previous member instead of the
+    prompt."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from mcore_packing.megatron import cpu_device_adapter, get_packed_gpt_layer_spec, to_packed_seq_params
+    from mcore_packing.megatron.shared_prefix import shared_prefix_of
+    from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch, unpack
+    from mcore_packing.thd.shared_prefix import build_shared_prefix_row
+
+    init_megatron()
+    out = []
+    with cpu_device_adapter():
+        model = build_tiny_gpt(get_packed_gpt_layer_spec("local"), seed=0)
+        reference_model = build_tiny_gpt(get_gpt_layer_local_spec(), seed=1)
+        reference_model.load_state_dict(model.state_dict())
+        for case in cases:
+            seqs = [torch.tensor(t, dtype=torch.long) for t in case["tokens"]]
+            samples = [SequenceSample(s, case["masks"][i]) for i, s in enumerate(seqs)]
+            rule = PaddingRule(**case["rule"])
+            row = build_shared_prefix_row(samples, case["groups"], case["prompts"], rule)
+
+            def shared_forward(attention=None, rotary=model.rotary_pos_emb, labels=False, row=row):
+                return _shared_forward(model, row, attention, rotary, labels)
+
+            model.zero_grad(set_to_none=True)
+            logits = shared_forward()
+            _functional(logits, case["seed"]).backward()
+            shared_grads = _grads(model)
+            with torch.no_grad():
+                losses = shared_forward(labels=True)
+                unrotated = shared_forward(rotary=None)
+
+                def previous_member(params):  # a later member sees the member before it, not the prompt
+                    shared = shared_prefix_of(params)
+                    context = list(shared.context_of)
+                    members = [j for j, k in enumerate(context) if k >= 0]
+                    for earlier, later in pairwise(members):
+                        if context[earlier] == context[later]:
+                            context[later] = earlier
+                    object.__setattr__(shared, "context_of", tuple(context))
+
+                crossed = shared_forward(previous_member)
+            model.zero_grad(set_to_none=True)
+            batch = build_packed_batch(samples, rule)
+            packed = model(batch.tokens, batch.position_ids, None, packed_seq_params=to_packed_seq_params(batch))
+            per_seq = unpack(packed[0], batch)
+            packed_logits = [per_seq[i, : s.numel()] for i, s in enumerate(seqs)]
+            _functional(packed_logits, case["seed"]).backward()
+            packed_grads = _grads(model)
+            reference_model.zero_grad(set_to_none=True)
+            reference = []
+            for s in seqs:
+                n = s.numel()
+                causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
+                reference.append(reference_model(s[None], torch.arange(n)[None], causal)[0])
+            _functional(reference, case["seed"]).backward()
+            reference_grads = _grads(reference_model)
+            reference_logprobs = [
+                torch.log_softmax(r[:-1].detach(), -1).gather(-1, s[1:, None])[:, 0]
+                for r, s in zip(reference, seqs, strict=True)
+            ]
+            out.append(
+                {
+                    "shared": [x.detach() for x in logits],
+                    "packed": [x.detach() for x in packed_logits],
+                    "reference": [x.detach() for x in reference],
+                    "shared_logprobs": [-x[:-1] for x in losses],
+                    "reference_logprobs": reference_logprobs,
+                    "unrotated": unrotated,
+                    "crossed": crossed,
+                    "shared_grads": shared_grads,
+                    "packed_grads": packed_grads,
+                    "reference_grads": reference_grads,
+                    "computed_tokens": row.computed_tokens,
+                    "separate_tokens": row.separate_tokens,
+                    "row_tokens": row.batch.total_tokens,
+                    "packed_row_tokens": batch.total_tokens,
+                }
+            )
+    return out
