@@ -293,6 +293,22 @@ def _apply_negative_control(kind: str | None):
             return original(weighted_sum / ps.get_context_parallel_world_size(), **kwargs)
 
         schedule.megatron_loss_output = without_cp
+    elif kind == "shared_prefix_unrotated":  # a response's queries see the prompt's keys at the wrong distances
+        from mcore_packing.megatron.shared_prefix import SharedPrefixAttention
+
+        _patch(SharedPrefixAttention, "rotate_keys", lambda self, keys, shift, config, cp_group=None: keys)
+    elif kind == "shared_prefix_crossed":  # a later response attends to the one before it instead of the prompt
+        from mcore_packing.megatron.shared_prefix import SharedPrefixAttention
+
+        real_context = SharedPrefixAttention.context
+
+        def previous_member(self, segment):
+            context = real_context(self, segment)
+            if context >= 0 and segment - 1 != context:
+                return segment - 1
+            return context
+
+        _patch(SharedPrefixAttention, "context", previous_member)
     elif kind == "rope_rank_reversed":  # dynamic CP: RoPE places rank p's chunks as rank k-1-p's
         import mcore_packing.megatron.dynamic_cp as dynamic
 
@@ -433,7 +449,8 @@ def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=
             if cfg.get("pg"):
                 loss = _pg_loss(cfg, samples)
                 per_prompt = loss.normalization == "group_mean"
-                plan = plan_step(lengths, plan_config, groups=[s["group"] for s in samples] if per_prompt else None)
+                plan = plan_step(lengths, plan_config, groups=[s["group"] for s in samples] if per_prompt else None,
+                                 shared_prefix=_shared_prefix(samples) if cfg.get("shared_prefix") else None)
                 step_loss = policy_step_loss(loss)
                 if cfg.get("negative_pg") == "per_microbatch_normalization":
                     step_loss = _per_microbatch_loss(loss, sum(len(r) for r in plan.micro_batches))
@@ -490,6 +507,8 @@ def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=
                 "cp_fields": sorted(set(cp_fields), key=str),
                 "cp_sizes": plan.cp_size_counts() if cfg.get("dynamic_cp") else None,
                 "entropy": pg_entropy if cfg.get("pg") else None,
+                "real_tokens": result.real_tokens,
+                "shared_report": getattr(plan, "shared_report", None),
             }
         )
         ps.destroy_model_parallel()
@@ -537,6 +556,14 @@ def plan_mismatch_worker(rank, world_size):
     else:
         group_message = None
     return message, group_message
+
+
+def _shared_prefix(samples):
+    """Each rollout's group and prompt length (its loss mask's leading zeros), for a shared-prefix plan."""
+    from mcore_packing.planning import SharedPrefix
+
+    return SharedPrefix(group_ids=[s["group"] for s in samples],
+                        prompt_lengths=[s["loss_mask"].index(1.0) for s in samples])  # fmt: skip
 
 
 def _pg_loss(cfg, samples):

@@ -112,6 +112,26 @@ def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_
         assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
 
 
+def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, straight_run, rollouts_file):
+    """grpo.shared_prefix=true (#40): every pass lays a group's prompt out once; the losses and the KL to the
+    reference are the separate layout's, and each step computes P + sum(R) + G - 1 tokens per group."""
+    _, rows = rollouts_file
+    proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", "grpo.shared_prefix=true")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
+        assert got["sample_ids"] == expected["sample_ids"]
+        assert abs(got["loss"] - expected["loss"]) <= 1e-5 * max(1.0, abs(expected["loss"])), (got, expected)
+        assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
+        ids, shared = got["sample_ids"], got["shared_prefix"]
+        groups = {rows[i]["group_id"] for i in ids}
+        prompts = {rows[i]["group_id"]: len(rows[i]["prompt_tokens"]) for i in ids}
+        responses = sum(len(rows[i]["response_tokens"]) for i in ids)
+        assert shared["computed_tokens"] == sum(prompts.values()) + responses + sum(4 - 1 for _ in groups)
+        separate = sum(prompts[rows[i]["group_id"]] for i in ids) + responses
+        assert shared["separate_tokens"] == got["useful_tokens"] == separate
+        assert shared["shared_groups"] == 3 and shared["fallback_groups"] == []
+
+
 def test_minibatches_are_optimizer_steps_of_the_lr_schedule(tmp_path, rollouts_file):
     """3 GRPO steps x 2 minibatches = 6 optimizer steps: cosine decay over 6, so GRPO step 2 starts at
     optimizer step 3 with lr 0.003 * (1 + cos(pi * 2 / 6)) / 2 (over 3 steps it would be a third of that)."""
@@ -151,6 +171,10 @@ def _write(path, rows):
         (None, ["loss_fn.ratio_clip_c=0.5"], "loss_fn.ratio_clip_c=0.5 must be > 1"),
         (None, ["loss_fn.kl_estimator=k2"], "loss_fn.kl_estimator must be one of k1, k3"),
         (None, ["algorithm=ppo"], "algorithm must be one of sft, grpo, dpo, rm"),
+        (None, ["grpo.shared_prefix=true", "parallel.cp=2", "cluster.gpus_per_node=2"],
+         "grpo.shared_prefix=true: it runs without context parallelism (parallel.cp=2): set parallel.cp=1"),
+        (lambda rows: rows[1].update(prompt_tokens=[*rows[1]["prompt_tokens"][:-1], 0]), ["grpo.shared_prefix=true"],
+         "grpo.shared_prefix: group 'prompt-0' holds different prompts (rollout 1 differs from rollout 0)"),
     ],
 )
 def test_bad_rollouts_and_settings_exit_2_naming_the_fix(tmp_path, rollouts_file, change, overrides, fragment):

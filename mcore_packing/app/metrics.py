@@ -67,6 +67,8 @@ class MetricsLogger:
         """Build the step's record (on every rank; ``extra``: the algorithm's own metrics) and write it
         (rank 0)."""
         stats = plan.stats()
+        shared = stats.get("shared_prefix")  # the samples' tokens, not the fewer a shared prompt computes
+        useful = shared["separate_tokens"] if shared is not None else stats["real_tokens"]
         slowest = max(plan.micro_batches, key=lambda rank: sum(mb.cost for mb in rank))
         slowest_lengths = [plan.lengths[i] for mb in slowest for i in mb.sample_indices]
         predicted = _predict_seconds(self.history, slowest_lengths, len(slowest))
@@ -77,8 +79,8 @@ class MetricsLogger:
             "lr": outcome.lr,
             "grad_norm": outcome.grad_norm,
             "update_applied": outcome.updated,
-            "tokens_per_s": stats["real_tokens"] / outcome.seconds,
-            "useful_tokens": stats["real_tokens"],
+            "tokens_per_s": useful / outcome.seconds,
+            "useful_tokens": useful,
             "padded_tokens": stats["padded_tokens"],
             "utilization": stats["utilization"],
             "microbatches_per_rank": stats["num_microbatches_per_rank"],
@@ -88,6 +90,7 @@ class MetricsLogger:
             "step_time_s": outcome.seconds,
             "sample_ids": batch_ids,
             **({"cp_sizes": stats["cp_sizes"]} if "cp_sizes" in stats else {}),  # dynamic CP: sequences per size
+            **({"shared_prefix": shared} if shared is not None else {}),  # tokens and predicted cost saved
             **(extra or {}),
         }
         if self.enabled:

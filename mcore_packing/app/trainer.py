@@ -149,8 +149,10 @@ def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layou
             key="training.global_batch_size",
         )  # fmt: skip
     passes = algorithm.training_passes(cfg, data, batch_ids)
+    sharing = getattr(algorithm, "shared_prefix", lambda *_: None)
     try:
-        plans = [plan_step([lengths[i] for i in ids], step_config, groups=groups) for ids, groups in passes]
+        plans = [plan_step([lengths[i] for i in ids], step_config, groups=groups, shared_prefix=sharing(cfg, data, ids))
+                 for ids, groups in passes]  # fmt: skip
     except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
         key = algorithm.BATCH_KEY
         raise ConfigError(f"the first global batch ({samples} samples, set by {key}) cannot be planned on "

@@ -17,6 +17,7 @@ import numpy as np
 
 from ..data.jsonl import BadLines
 from ..data.sample import SequenceSample
+from ..planning.shared_prefix import SharedPrefix
 
 __all__ = [
     "Rollout",
@@ -31,6 +32,7 @@ __all__ = [
     "read_rollouts_jsonl_located",
     "rollout_from_record",
     "rollout_samples",
+    "rollouts_shared_prefix",
 ]
 
 _FIELDS = ("prompt_tokens", "response_tokens", "reward", "group_id")
@@ -196,3 +198,19 @@ def minibatches(group_ids: Sequence, count: int) -> list[list[int]]:
     runs = np.array_split(np.arange(len(members)), count)
     groups = list(members.values())
     return [sorted(i for k in run.tolist() for i in groups[k]) for run in runs]
+
+
+def rollouts_shared_prefix(rollouts: Sequence[Rollout]) -> SharedPrefix:
+    """The planner's `SharedPrefix` of ``rollouts``: each one's group and prompt length. A group whose
+    responses answer different prompts (compared token by token) is refused, naming the group and the
+    first rollout that differs."""
+    first: dict = {}
+    for i, r in enumerate(rollouts):
+        k = first.setdefault(r.group_id, i)
+        if list(rollouts[k].prompt_tokens) != list(r.prompt_tokens):
+            raise ValueError(
+                f"grpo.shared_prefix: group {r.group_id!r} holds different prompts (rollout {i} differs from rollout "
+                f"{k}); a group is the responses to one prompt. Fix the group ids, or set grpo.shared_prefix=false."
+            )
+    return SharedPrefix(group_ids=[r.group_id for r in rollouts],
+                        prompt_lengths=[len(r.prompt_tokens) for r in rollouts])  # fmt: skip

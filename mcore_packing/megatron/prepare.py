@@ -26,6 +26,7 @@ from ..thd.context_parallel import (
 )
 from ..thd.loss_weights import LossNormalization, StepTotals, token_weights
 from ..thd.packed_batch import PackedBatch, build_packed_batch
+from ..thd.shared_prefix import SharedPrefixRow, build_shared_prefix_row
 from ..thd.transfer import to_device_once
 from .packed_seq import cp_inverse_index, host_packed_seq_params, on_device, thd_fields
 from .process_groups import ProcessGroups
@@ -57,6 +58,7 @@ class PreparedMicroBatch:
     segments: torch.Tensor | None = None  # like ``tokens`` (int64): each token's sequence in the micro-batch
     # (its index in ``sample_ids``), -1 at pad tokens; built for MoE models (router statistics, balance loss)
     sequence_lengths: torch.Tensor | None = None  # the real lengths on the device (MoE: the balance loss)
+    shared: SharedPrefixRow | None = None  # a shared-prefix row: ``packed`` holds its segments, this the samples
 
     @property
     def padding_mask(self) -> torch.Tensor | None:
@@ -107,13 +109,16 @@ _TENSOR_FIELDS = ("tokens", "position_ids", "labels", "loss_mask", "weights", "f
 def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_token_id, segments):
     """Host tensors of a packed THD row cut for this CP rank, and the fields that are not tensors."""
     config = plan.config
-    batch = build_packed_batch(
-        chosen,
-        config.padding_rule,
-        sample_ids=mb.sample_indices,
-        pad_to=mb.shape[1] if config.use_fixed_length else None,
-        pad_token_id=pad_token_id,
-    )
+    pad_to = mb.shape[1] if config.use_fixed_length else None
+    shared = None
+    if plan.shared_prefix is not None:
+        groups, prompts = plan.shared_prefix_groups(mb)
+        shared = build_shared_prefix_row(chosen, groups, prompts, config.padding_rule, sample_ids=mb.sample_indices,
+                                         pad_to=pad_to, pad_token_id=pad_token_id)  # fmt: skip
+        batch = shared.batch
+    else:
+        batch = build_packed_batch(chosen, config.padding_rule, sample_ids=mb.sample_indices, pad_to=pad_to,
+                                   pad_token_id=pad_token_id)  # fmt: skip
     assert batch.total_tokens == mb.shape[1], f"planned row {mb.shape[1]} != built row {batch.total_tokens}"
     weights = None
     if totals is not None:
@@ -135,6 +140,9 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_to
                 weights=weights, full_loss_mask=batch.loss_mask[0], segments=seg)  # fmt: skip
     fields = dict(packed=batch, sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths, thd=thd, local=local,
                   local_valid_tokens=int(local.loss_mask.sum().item()))  # fmt: skip
+    if shared is not None:  # the samples are not the row's sequences: each is its context and its segment
+        fields.update(shared=shared, sample_ids=shared.sample_ids,
+                      real_lengths=tuple(len(s.tokens) for s in chosen))  # fmt: skip
     return host, fields
 
 
@@ -197,6 +205,9 @@ def _gathered_rows(prep: PreparedMicroBatch, values: torch.Tensor, process_group
     """This CP shard's per-token ``values`` ``[b, s]`` as the micro-batch's full rows (one per sample, CP
     all-gathered, differentiable: the gather's backward sums over the CP group, then keeps this rank's
     part), and the rows' loss masks."""
+    if prep.shared is not None:  # one CP rank; each sample's values are its context's, then its segment's
+        flat = values.reshape(-1)
+        return prep.shared.sample_rows(flat), prep.shared.sample_rows(prep.full_loss_mask)
     if prep.packed is not None:
         flat = values.reshape(-1)
         if process_groups.cp_size > 1:

@@ -45,6 +45,7 @@ from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
 from .router_loss import attached_router_loss
+from .shared_prefix import attach_shared_prefix, shared_prefix_of
 from .step_loss import StepLoss, TokenMeanNLL, entropy_for, micro_batch_share
 
 __all__ = ["StepResult", "compute_logprobs", "forward_backward"]
@@ -90,6 +91,7 @@ def forward_backward(
     loss = TokenMeanNLL() if loss is None else loss
     _check_loss(loss, plan)
     _check_head(model, uses_labels=loss.uses_labels)
+    _check_shared_prefix(model, plan, loss)
     if _is_dynamic_cp(plan):
         from .dynamic_cp import forward_backward_dynamic_cp
 
@@ -157,6 +159,7 @@ def compute_logprobs(
     each row on its CP sub-group (`dynamic_cp.compute_logprobs_dynamic_cp`).
     """
     _check_head(model, uses_labels=True)
+    _check_shared_prefix(model, plan, None)
     if _is_dynamic_cp(plan):
         from .dynamic_cp import compute_logprobs_dynamic_cp
 
@@ -228,6 +231,8 @@ def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = Tr
         if router_loss is not None and prep.segments is not None:
             router_loss.begin_micro_batch(_router_segments(prep, model_chunk, process_groups),
                                           prep.sequence_lengths)  # fmt: skip
+        if prep.shared is not None and shared_prefix_of(prep.packed_seq_params) is None:  # once per micro-batch
+            attach_shared_prefix(prep.packed_seq_params, prep.shared, _rotary(model_chunk), prep.tokens.device)
         output = model_chunk(
             prep.tokens, prep.position_ids, None, labels=prep.labels if labels else None,
             packed_seq_params=prep.packed_seq_params, **extra
@@ -235,6 +240,49 @@ def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = Tr
         return output, partial(loss_func, prep)
 
     return forward_step
+
+
+def _rotary(model_chunk):
+    """The chunk's RoPE module (Megatron's ``GPTModel.rotary_pos_emb``; None without RoPE), under any wrapper."""
+    module = model_chunk
+    while hasattr(module, "module") and not hasattr(module, "rotary_pos_emb"):
+        module = module.module
+    return getattr(module, "rotary_pos_emb", None)
+
+
+def _check_shared_prefix(model, plan, loss) -> None:
+    """A shared-prefix plan needs what reads its rows: the built-in attention (`PackedCoreAttention`: TE's
+    would let every segment attend only to itself), a dense model (an MoE router's per-sequence statistics
+    would see segments), RoPE or no position embedding, and a loss on the unpacked view (a per-token
+    weighted NLL would count a shared target once)."""
+    if getattr(plan, "shared_prefix", None) is None:
+        return
+    from .attention import PackedCoreAttention
+
+    chunks = model if isinstance(model, list) else [model]
+    modules = [m for chunk in chunks for m in chunk.modules()]
+    if not any(isinstance(m, PackedCoreAttention) for m in modules):
+        raise ValueError(
+            "a shared-prefix plan needs the built-in attention (PackedCoreAttention), which gives each response "
+            "its prompt's keys; this model has none (TransformerEngine's?). Set model.attention_backend=local, or "
+            "plan without shared_prefix."
+        )
+    from megatron.core.utils import get_model_config
+
+    if _is_moe(get_model_config(chunks[0])):
+        raise ValueError("a shared-prefix plan runs dense models only for now; plan an MoE model without it.")
+    embedding = {m.position_embedding_type for m in modules if hasattr(m, "position_embedding_type")}
+    if embedding - {"rope", "none"}:
+        raise ValueError(
+            f"a shared-prefix plan needs RoPE (or no position embedding); this model has {sorted(embedding)}. Plan "
+            "without shared_prefix."
+        )
+    if loss is not None and loss.token_weights is not None:
+        raise ValueError(
+            f"{type(loss).__name__} weights the packed row's tokens, where a shared prompt's targets appear once; a "
+            "shared-prefix plan needs a loss on each sample's own log-probs (PerSample, PerGroup, PerSequence, the "
+            "policy losses)."
+        )
 
 
 def _is_dynamic_cp(plan) -> bool:

@@ -13,6 +13,8 @@ without a GPU stack. Modules, in the order the data flows through them:
 - `rebalance`: single sequences moved between ranks' rows until the slowest rank is near the mean.
 - `pipeline`: a 1F1B schedule simulator, its lower bound and the order that minimises it.
 - `hf_config`: Hugging Face ``config.json`` <-> `ModelShape`.
+- `shared_prefix`: `SharedPrefix` (which samples share a prompt) -> the tokens and cost of laying each
+  group's prompt out once (`shared_prefix_layout`).
 - `step_plan`: `plan_step` -> `StepPlan` of `MicroBatchPlan`s.
 - `report`: a whole data set planned batch by batch (`summarize`, `recommend_budget`).
 """
@@ -25,6 +27,7 @@ from .padding import FP8_ROW_ALIGNMENT, PaddingRule, fp8_row_alignment
 from .pipeline import best_pipeline_order, pipeline_lower_bound, simulate_1f1b
 from .rebalance import rebalance_units
 from .report import recommend_budget, summarize
+from .shared_prefix import SharedPrefix, SharedPrefixLayout, shared_prefix_layout
 from .step_config import MODES, StepPlanConfig
 from .step_plan import MicroBatchPlan, StepPlan, micro_batch_cost, plan_step
 
@@ -38,6 +41,8 @@ __all__ = [
     "ModelShape",
     "PaddingRule",
     "ParallelLayout",
+    "SharedPrefix",
+    "SharedPrefixLayout",
     "StepPlan",
     "StepPlanConfig",
     "assign_balanced",
@@ -51,6 +56,7 @@ __all__ = [
     "plan_step",
     "rebalance_units",
     "recommend_budget",
+    "shared_prefix_layout",
     "simulate_1f1b",
     "summarize",
 ]

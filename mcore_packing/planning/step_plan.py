@@ -37,6 +37,7 @@ from ..packing.validation import as_lengths
 from .balance import assign_balanced, assign_round_robin, max_over_mean, order_microbatches
 from .cost_model import CostModel
 from .rebalance import rebalance_units
+from .shared_prefix import SharedPrefix, check_same_groups, shared_prefix_layout
 from .step_config import StepPlanConfig
 
 if TYPE_CHECKING:
@@ -77,6 +78,9 @@ class StepPlan:
     micro_batches: tuple[tuple[MicroBatchPlan, ...], ...]
     row_capacity: int
     groups: tuple | None = None
+    shared_prefix: tuple[int, ...] | None = None  # per sample: the prompt it shares in its row (0: none)
+    shared_groups: tuple | None = None  # the group id of every sample (shared_prefix's groups)
+    shared_report: dict | None = None  # tokens and predicted cost with and without sharing
 
     @property
     def num_microbatches(self) -> int:
@@ -118,19 +122,43 @@ class StepPlan:
             for r in range(ranks)
         )
         lengths = tuple(n for p in plans for n in p.lengths)
+        reports = [p.shared_report for p in plans if p.shared_report is not None]
+        shared = None
+        if reports:  # the minibatches' sharing, summed
+            shared = {key: sum((r[key] for r in reports), [] if key == "fallback_groups" else 0) for key in reports[0]}
         return cls(config=plans[0].config, forward_only=plans[0].forward_only, lengths=lengths, micro_batches=micro,
-                   row_capacity=plans[0].row_capacity)  # fmt: skip
+                   row_capacity=plans[0].row_capacity, shared_report=shared)  # fmt: skip
 
     def rank_costs(self) -> list[float]:
         """Predicted cost of each DP rank's micro-batches (the slowest sets the step time)."""
         return [sum(mb.cost for mb in rank) for rank in self.micro_batches]
+
+    def shared_prefix_groups(self, mb: MicroBatchPlan) -> tuple[list[list[int]], list[int]]:
+        """``mb``'s samples as positions in ``mb.sample_indices``, one list per shared group (consecutive:
+        the planner keeps a shared group whole) or per sample laid out alone, and each list's shared prompt
+        length (0: alone); the input of `thd.build_shared_prefix_row`."""
+        lists: list[list[int]] = []
+        prompts: list[int] = []
+        previous = None
+        for k, i in enumerate(mb.sample_indices):
+            prompt = self.shared_prefix[i] if self.shared_prefix is not None else 0
+            key = (self.shared_groups[i], prompt) if prompt else None
+            if key is not None and key == previous:
+                lists[-1].append(k)
+            else:
+                lists.append([k])
+                prompts.append(prompt)
+            previous = key
+        return lists, prompts
 
     def stats(self) -> dict:
         real = sum(mb.real_tokens for rank in self.micro_batches for mb in rank)
         padded = sum(mb.padded_tokens for rank in self.micro_batches for mb in rank)
         per_rank = [sum(mb.padded_tokens for mb in rank) for rank in self.micro_batches]
         per_rank_cost = self.rank_costs()
+        shared = {"shared_prefix": self.shared_report} if self.shared_report is not None else {}
         return {
+            **shared,
             "rank_cost_max_over_mean": max_over_mean(per_rank_cost),
             "predicted_step_cost": max(per_rank_cost) if per_rank_cost else 0.0,
             "num_microbatches_per_rank": self.num_microbatches,
@@ -151,6 +179,7 @@ def plan_fingerprint(plan, **planned) -> str:
         "forward_only": plan.forward_only,
         "lengths": list(plan.lengths),
         "groups": [str(g) for g in plan.groups or []],
+        **({"shared_prefix": list(plan.shared_prefix)} if getattr(plan, "shared_prefix", None) is not None else {}),
         **planned,
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
@@ -162,12 +191,19 @@ def plan_step(
     *,
     forward_only: bool = False,
     groups: Sequence | None = None,
+    shared_prefix: SharedPrefix | None = None,
 ) -> StepPlan | DynamicCPPlan:
     """Plan one global batch (see the module docstring).
 
     ``groups``: optional group id per sample (DPO chosen/rejected pairs, GRPO responses to one prompt).
     Samples of a group always share a micro-batch, so a group is never split across micro-batches or
     ranks. Packing mode only.
+
+    ``shared_prefix``: the responses of a group laid out after one copy of their prompt
+    (`planning.shared_prefix`): a group's tokens and cost are the shared layout's, the group is kept whole
+    (when it fits one micro-batch; else its members are planned alone, reported), and the plan records
+    each sample's shared prompt. Packing mode, without context parallelism; ``groups``, when given, must
+    be the same ids.
 
     With ``config.dynamic_cp`` the plan is a `dynamic_cp.DynamicCPPlan` (rows on CP sub-groups of the DP
     x CP ranks, at the pass's budget per rank) instead of a `StepPlan`.
@@ -176,6 +212,8 @@ def plan_step(
     if lengths.size == 0:
         raise ValueError("the global batch is empty; a step needs at least one sample.")
     config.check_fits(lengths, forward_only=forward_only)
+    if shared_prefix is not None:
+        _check_sharing_applies(config)
     if config.dynamic_cp:
         from .dynamic_cp import DynamicCPConfig, plan_dynamic_cp  # it builds on this module
 
@@ -186,19 +224,25 @@ def plan_step(
     capacity = config.row_capacity(forward_only)
     padded = config.padded_lengths(lengths)
     model = config.cost_model or CostModel(linear=1.0, quadratic=0.0, unit="token")
-    units = _units(groups, lengths, config, forward_only)
+    sharing = real_lengths = sample_costs = None
+    if shared_prefix is not None:
+        sharing = _sharing(lengths, shared_prefix, groups, config, model, forward_only)
+        units, real_lengths, padded, sample_costs = sharing.units, sharing.real, sharing.padded, sharing.costs
+    else:
+        units = _units(groups, lengths, config, forward_only)
     assignment = None
     if config.mode == "packing":
-        unit_bins, items = _plan_packing(padded, capacity, config, units, model)
+        unit_bins, items = _plan_packing(padded, capacity, config, units, model, sample_costs)
         if config.balance == "cost" and config.layout.dp > 1:
-            unit_bins, assignment = _rebalanced(unit_bins, items, padded, capacity, config, model)
+            unit_bins, assignment = _rebalanced(unit_bins, items, padded, capacity, config, model, sample_costs)
         bins = [[i for u in b for i in items[u]] for b in unit_bins] if units is not None else unit_bins
         shapes = _row_shapes(bins, padded, capacity, config)
     elif config.mode == "dynamic":
         bins, shapes = _plan_dynamic(lengths, padded, capacity, config, units)
     else:
         bins, shapes = _plan_padded(lengths, padded, config)
-    real, costs = _bin_totals(bins, shapes, lengths, padded, config, model)
+    real_lengths = lengths if real_lengths is None else real_lengths
+    real, costs = _bin_totals(bins, shapes, real_lengths, padded, config, model, sample_costs)
     micro = [
         MicroBatchPlan(tuple(b), shape, int(r), float(c))
         for b, shape, r, c in zip(bins, shapes, real, costs, strict=True)
@@ -210,7 +254,28 @@ def plan_step(
         micro_batches=_assign_and_order(micro, config, assignment),
         row_capacity=capacity,
         groups=tuple(groups) if groups is not None else None,
+        shared_prefix=sharing.prefix if sharing is not None else None,
+        shared_groups=shared_prefix.group_ids if sharing is not None else None,
+        shared_report=sharing.report(lengths, model.sequence_cost(config.padded_lengths(lengths)))
+        if sharing is not None
+        else None,
     )
+
+
+def _check_sharing_applies(config: StepPlanConfig) -> None:
+    if config.mode != "packing" or config.dynamic_cp or config.layout.cp > 1:
+        raise ValueError(
+            f"a shared prefix is laid out in packed THD rows on one CP rank; this plan has mode={config.mode!r}, "
+            f"cp={config.layout.cp}, dynamic_cp={config.dynamic_cp}. Use mode='packing' and cp=1, or leave "
+            "shared_prefix out."
+        )
+
+
+def _sharing(lengths, spec: SharedPrefix, groups, config: StepPlanConfig, model: CostModel, forward_only: bool):
+    """The shared-prefix layout of the batch (`planning.shared_prefix`)."""
+    if groups is not None:
+        check_same_groups(groups, spec)
+    return shared_prefix_layout(lengths, spec, config, model, forward_only=forward_only)
 
 
 def _assign_and_order(
@@ -241,8 +306,9 @@ def _flat(bins: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return flat, np.repeat(np.arange(len(bins)), sizes), np.cumsum(sizes) - 1
 
 
-def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: CostModel):
-    """Real tokens and predicted cost of every micro-batch at once; equal to `micro_batch_cost` per bin."""
+def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: CostModel, sample_costs=None):
+    """Real tokens and predicted cost of every micro-batch at once; equal to `micro_batch_cost` per bin.
+    ``sample_costs``: each sample's cost when it is not ``sequence_cost`` of its span (a shared prefix)."""
     flat, bin_id, last = _flat(bins)
     real = np.bincount(bin_id, weights=lengths[flat], minlength=len(bins))
     cp = config.layout.cp
@@ -250,7 +316,8 @@ def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: Co
     if config.mode != "packing":
         rows, widths = np.array(shapes, dtype=np.float64).T
         return real, rows * model.sequence_cost(widths, cp) + model.per_microbatch + exchange
-    cost = np.bincount(bin_id, weights=model.sequence_cost(padded[flat], cp), minlength=len(bins))
+    per_sample = model.sequence_cost(padded, cp) if sample_costs is None else sample_costs
+    cost = np.bincount(bin_id, weights=per_sample[flat], minlength=len(bins))
     spans = np.bincount(bin_id, weights=padded[flat], minlength=len(bins))
     tail = padded[flat[last]].astype(np.float64)
     extra = np.array([row for _, row in shapes], dtype=np.float64) - spans  # row padding sits in the last span
@@ -300,7 +367,7 @@ def _unit_sums(items: list[list[int]], values: np.ndarray) -> np.ndarray:
     return np.bincount(unit_id, weights=values[flat], minlength=len(items))
 
 
-def _plan_packing(padded, capacity, config, units, model: CostModel):
+def _plan_packing(padded, capacity, config, units, model: CostModel, sample_costs=None):
     """Bins of units (a unit: one sample, or one group) and the units, as sample-index lists."""
     items = units if units is not None else [[i] for i in range(padded.size)]
     sizes = padded.copy() if units is None else _unit_sums(items, padded).astype(np.int64)
@@ -308,7 +375,7 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
     packer = get_packer(config.algorithm, capacity, bin_count_multiple=multiple, seed=0, refine=config.refine)
     unit_bins = packer.pack(sizes)
     if config.cost_budget is not None:
-        costs = _unit_sums(items, model.sequence_cost(padded))
+        costs = _unit_sums(items, model.sequence_cost(padded) if sample_costs is None else sample_costs)
         cost_budget = config.cost_budget
         if cost_budget == "auto":
             cost_budget = max(float(costs.max()), 1.05 * float(costs.sum()) / len(unit_bins))
@@ -322,11 +389,11 @@ def _plan_packing(padded, capacity, config, units, model: CostModel):
     return unit_bins, items
 
 
-def _rebalanced(unit_bins, items, padded, capacity, config, model: CostModel):
+def _rebalanced(unit_bins, items, padded, capacity, config, model: CostModel, sample_costs=None):
     """Rows to ranks by cost (`assign_balanced`), then single units moved or swapped between the rows of
     different ranks (`rebalance.rebalance_units`); returns the rows and each rank's row indices."""
     sizes = _unit_sums(items, padded).astype(np.int64)
-    costs = _unit_sums(items, model.sequence_cost(padded, config.layout.cp))
+    costs = _unit_sums(items, model.sequence_cost(padded, config.layout.cp) if sample_costs is None else sample_costs)
     units_in_bins, bin_id, _ = _flat(unit_bins)
     row_costs = np.bincount(bin_id, weights=costs[units_in_bins], minlength=len(unit_bins))
     assignment = assign_balanced(row_costs, config.layout.dp)

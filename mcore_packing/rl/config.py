@@ -18,7 +18,10 @@ class GRPOConfig:
     Each trainer step takes ``num_prompts_per_step`` groups (all responses to one prompt) from
     ``rollouts``, drawn like SFT samples (seeded order, epochs, resumable). The loss is the ``loss_fn``
     group (`losses.ClippedPGConfig`). Every pass scores the responses at ``temperature`` (the logits
-    divided by it, `megatron.logits_temperature`). A plain (not frozen) dataclass: Hydra fills it."""
+    divided by it, `megatron.logits_temperature`). With ``shared_prefix`` every pass lays a group out as
+    its prompt once and its responses after it (`thd.shared_prefix`; packed rows, cp=1, the built-in
+    attention, dense models), exact, computing ``P + sum(R) + G - 1`` tokens instead of ``G P + sum(R)``.
+    A plain (not frozen) dataclass: Hydra fills it."""
 
     rollouts: str | None = None  # JSONL: prompt_tokens, response_tokens, reward, group_id[, generation_logprobs]
     num_prompts_per_step: int = 32
@@ -28,6 +31,7 @@ class GRPOConfig:
     keep_groups_together: bool = False  # a group's responses share a micro-batch of the log-prob pass
     num_minibatches: int = 1  # optimizer steps per GRPO step, each on whole groups against the same old log-probs
     temperature: float = 1.0  # the rollouts' sampling temperature (NeMo-RL: policy.generation.temperature)
+    shared_prefix: bool = False  # a group's prompt laid out once for all its responses, in every pass
 
     def __post_init__(self):
         t = self.temperature

@@ -4,7 +4,8 @@
     log-prob pass  -> plan_step(forward_only, logprob_mb_tokens) -> compute_logprobs(policy), (reference)
     training pass  -> per minibatch (grpo.num_minibatches runs of whole groups): plan_step(train_mb_tokens)
                       -> train_step(loss=policy_step_loss(ClippedPGLoss)) -> optimizer, schedule
-    every pass     -> under logits_temperature(grpo.temperature)
+    every pass     -> under logits_temperature(grpo.temperature); with grpo.shared_prefix each group's
+                      prompt laid out once (plan_step(shared_prefix=...), thd.shared_prefix)
 
 Its arguments are library types: a `megatron.Policy` (model, optimizer, schedule, process groups,
 device; `megatron.build_policy` builds it and its frozen reference), the planner's `StepPlanConfig`, and
@@ -31,6 +32,7 @@ from ..losses.rollouts import (
     grpo_advantages,
     minibatches,
     rollout_samples,
+    rollouts_shared_prefix,
 )
 from ..megatron import Policy, StepOutcome, compute_logprobs, logits_temperature, policy_step_loss, train_step
 from ..planning import StepPlan, StepPlanConfig, plan_step
@@ -107,8 +109,9 @@ def rl_step(
     advantages = grpo_advantages([r.reward for r in rollouts], group_ids, leave_one_out=grpo.use_leave_one_out_baseline,
                                  normalize_std=grpo.normalize_rewards)  # fmt: skip
     keep = group_ids if grpo.keep_groups_together else None  # plan_step refuses groups in padded mode
+    shared = rollouts_shared_prefix(rollouts) if grpo.shared_prefix else None
     start = time.perf_counter()
-    logprob_plan = plan_step(lengths, plan_config, forward_only=True, groups=keep)
+    logprob_plan = plan_step(lengths, plan_config, forward_only=True, groups=keep, shared_prefix=shared)
     pgs, device, temperature = policy.process_groups, policy.device, grpo.temperature
     with logits_temperature(policy.model, temperature):
         old = compute_logprobs(policy.model, samples, logprob_plan, pgs, device=device)
@@ -129,7 +132,8 @@ def rl_step(
     per_prompt = loss.normalization == "group_mean"  # prompt-mean: a prompt's responses share a micro-batch
     for part in minibatches(group_ids, grpo.num_minibatches):  # else the loss is per sample: groups may split
         groups = [group_ids[i] for i in part] if per_prompt else None
-        plans.append(plan_step([lengths[i] for i in part], plan_config, groups=groups))
+        part_shared = rollouts_shared_prefix([rollouts[i] for i in part]) if grpo.shared_prefix else None
+        plans.append(plan_step([lengths[i] for i in part], plan_config, groups=groups, shared_prefix=part_shared))
         with logits_temperature(policy.model, temperature):
             outcomes.append(train_step(policy, [samples[i] for i in part], plans[-1],
                                        loss=policy_step_loss(pg_loss, part)))  # fmt: skip

@@ -13,6 +13,9 @@ Each module (`sft`, `grpo`, `dpo`, `rm`) has (and optionally ``HEAD``, the model
                                           `plan_step` calls for a drawn batch (the dry run and `plan` plan these)
     make_step(cfg, inputs, setup)         -> take_step(sample_ids) -> (plan, StepOutcome, extra metrics)
 
+and optionally ``shared_prefix(cfg, data, ids) -> SharedPrefix | None``: the prompts a training pass lays out
+once (`planning.shared_prefix`; GRPO with ``grpo.shared_prefix``), which the dry run plans with too.
+
 The trainer (`app.trainer`) draws units with the seeded `GlobalBatchSampler` (samples for SFT, groups of
 responses for GRPO, (chosen, rejected) pairs for DPO), turns them into sample ids (`RunData.sample_ids`)
 and calls the algorithm's step; checkpoints, resume, stop requests, metrics and export are shared.

@@ -17,6 +17,7 @@ from ...losses.rollouts import (
     minibatches,
     read_rollouts_jsonl_located,
     rollout_samples,
+    rollouts_shared_prefix,
 )
 from ..config import ConfigError, budget_key
 from . import RunData, StoreSamples, open_prepared, step_metrics
@@ -34,6 +35,23 @@ def check_config(cfg) -> None:
             "grpo.keep_groups_together=true keeps a group in one micro-batch: it needs sequence_packing.enabled="
             "true or dynamic_batching.enabled=true. Set grpo.keep_groups_together=false for padded batches."
         )
+    if cfg.grpo.shared_prefix:
+        _check_shared_prefix(cfg)
+
+
+def _check_shared_prefix(cfg) -> None:
+    """``grpo.shared_prefix``: packed rows on one CP rank, the built-in attention, a dense model."""
+    why = None
+    if not cfg.sequence_packing.enabled:
+        why = "it lays each group out in a packed row: set sequence_packing.enabled=true"
+    elif cfg.parallel.cp > 1 or cfg.context_parallel.dynamic:
+        why = f"it runs without context parallelism (parallel.cp={cfg.parallel.cp}): set parallel.cp=1"
+    elif cfg.model.attention_backend == "te":
+        why = "it needs the built-in attention (a response sees its prompt's keys): set model.attention_backend=local"
+    elif cfg.model.num_experts:
+        why = "it runs dense models only for now (model.num_experts is set)"
+    if why is not None:
+        raise ConfigError(f"grpo.shared_prefix=true: {why}, or set grpo.shared_prefix=false.", key="grpo.shared_prefix")
 
 
 def missing_data(cfg) -> str | None:
@@ -140,9 +158,15 @@ def sample_groups(data: RunData) -> list:
 
 
 def check_data(cfg, data: RunData, step_config) -> None:
-    """With ``grpo.keep_groups_together`` every group must fit one micro-batch of the log-prob pass, and
+    """With ``grpo.shared_prefix`` every group of a JSONL file answers one prompt. With
+    ``grpo.keep_groups_together`` every group must fit one micro-batch of the log-prob pass, and
     every DP rank needs a group of its own; with ``loss_fn.loss_agg_mode=prompt-mean`` every group must
     fit one micro-batch of the training pass."""
+    if cfg.grpo.shared_prefix and isinstance(data.records, list):  # a file read whole: every group now (a
+        try:  # prepared store's rollouts are read per step, and checked there)
+            rollouts_shared_prefix(data.records)
+        except ValueError as exc:
+            raise ConfigError(f"{exc} ({cfg.grpo.rollouts})", key="grpo.shared_prefix") from None
     if cfg.loss_fn.aggregation == "prompt-mean":
         _check_groups_fit(cfg, data, step_config, forward_only=False,
                           why="loss_fn.loss_agg_mode=prompt-mean averages each prompt's responses in one micro-batch "
@@ -190,6 +214,13 @@ def training_passes(cfg, data: RunData, batch_ids: list[int]) -> list[tuple[list
     per_prompt = cfg.loss_fn.aggregation == "prompt-mean"
     return [([batch_ids[i] for i in part], [group_ids[i] for i in part] if per_prompt else None)
             for part in minibatches(group_ids, cfg.grpo.num_minibatches)]  # fmt: skip
+
+
+def shared_prefix(cfg, data: RunData, batch_ids: list[int]):
+    """The training pass's `SharedPrefix` of ``batch_ids`` with ``grpo.shared_prefix`` (else None)."""
+    if not cfg.grpo.shared_prefix:
+        return None
+    return rollouts_shared_prefix([data.records[i] for i in batch_ids])
 
 
 def make_step(cfg, inputs, setup):
