@@ -19,4 +19,5 @@ if [[ "${1:-}" == "--fast" ]]; then
 fi
 "$venv/bin/ruff" check mcore_packing tests benchmarks
 workers=(-n "${MCORE_PACKING_TEST_WORKERS:-2}" --dist loadfile)
-"$venv/bin/python" -m pytest "${workers[@]}" "${tier[@]}" "$@"
+# --durations: the slowest tests in every log, so a CI run that nears its time budget says where it went
+"$venv/bin/python" -m pytest "${workers[@]}" "${tier[@]}" --durations=25 "$@"

@@ -13,7 +13,7 @@ venv="${MCORE019_VENV:-$root/.venv-mcore019}"
 cd "$root"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VENV:-$root/.venv}/bin/python}"
-"$venv/bin/python" -m pytest -n "${MCORE_PACKING_TEST_WORKERS:-2}" --dist loadfile -p no:cacheprovider \
+"$venv/bin/python" -m pytest -n "${MCORE_PACKING_TEST_WORKERS:-2}" --dist loadfile -p no:cacheprovider --durations=15 \
   -W "ignore::UserWarning" \
   tests/test_patches.py tests/test_megatron_units.py tests/test_checkpoint.py \
   "tests/test_step_equivalence.py::test_two_ranks_match_reference" \

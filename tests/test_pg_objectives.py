@@ -143,15 +143,21 @@ ONE_RANK = [_config(name, t, mode=mode) for name in NAMES for t in TEMPERATURES 
 HALF_BUDGET = [_config(name, t, train_mb_tokens=32) for name in NAMES for t in TEMPERATURES]
 LOGPROBS = [{"mode": mode, "logprobs": True, "temperature": t, "train_mb_tokens": 64, "pg": None}
             for mode, t in (("packing", 0.7), ("dynamic", 0.7), ("packing", 1.0))]  # fmt: skip
+# #40: every case with each group's prompt laid out once, and two controls: the prompt's keys at the wrong
+# RoPE distance from the responses, and a response attending to the response before it instead of the prompt.
+SHARED = [{**_config(name, 0.7), "shared_prefix": True} for name in NAMES]
+SHARED_CONTROLS = [{**SHARED[0], "negative": kind} for kind in ("shared_prefix_unrotated", "shared_prefix_crossed")]
 
 
 @pytest.fixture(scope="module")
 def one_rank(reference):
     """Every 1-rank step of the module in one spawn: the cases, the smaller budget, the controls, the
-    sampled responses' log-probs."""
-    results = _run(reference, 1, ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS)
+    sampled responses' log-probs, the shared prompts (#40) and their controls."""
+    configs = ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS + SHARED + SHARED_CONTROLS
+    results = _run(reference, 1, configs)
     parts, start = {}, 0
-    for name, configs in (("main", ONE_RANK), ("half", HALF_BUDGET), ("controls", CONTROLS), ("sampled", LOGPROBS)):
+    for name, configs in (("main", ONE_RANK), ("half", HALF_BUDGET), ("controls", CONTROLS), ("sampled", LOGPROBS),
+                          ("shared", SHARED), ("shared_controls", SHARED_CONTROLS)):  # fmt: skip
         parts[name], start = results[start : start + len(configs)], start + len(configs)
     return parts
 
@@ -188,11 +194,41 @@ def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference, o
     assert max(on_temperature) <= 1e-6 and off_temperature > 1e-2
 
 
+def _computed_tokens(samples) -> int:
+    """Tokens of the shared-prefix layout, counted from the rollouts: per group its prompt, its responses,
+    and one copy of the prompt's last token per response but the first."""
+    groups: dict = {}
+    for s in samples:
+        groups.setdefault(s["group"], []).append(s)
+    total = 0
+    for members in groups.values():
+        prompt = members[0]["loss_mask"].index(1.0)
+        total += prompt + sum(len(m["tokens"]) - prompt for m in members) + len(members) - 1
+    return total
+
+
+def test_every_objective_with_a_shared_prompt_at_one_rank(reference, one_rank):
+    """#40: each group's prompt laid out once gives every case's loss, gradients and entropy (<= 1e-5) from
+    P + sum(R) + G - 1 tokens per group; the controls (the prompt's keys unrotated for the responses' RoPE
+    positions, a response seeing another) move the gradients."""
+    table = []
+    for result in one_rank["shared"]:
+        _check(result, reference, table)
+        assert result["real_tokens"] == _computed_tokens(ROLLOUTS) < sum(len(s["tokens"]) for s in ROLLOUTS)
+    print("\n".join(table))
+    ref = reference["by_case"][(NAMES[0], 0.7)]
+    for result in one_rank["shared_controls"]:
+        loss_error, grad_error = _errors(result, ref)
+        print(f"control {result['config']['negative']}: loss {loss_error:.1e}, gradients {grad_error:.1e}")
+        assert grad_error > 1e-2
+
+
 @pytest.mark.slow
 def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, TP2 x PP2, dynamic CP
     (CP4 packed, CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step
-    (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; the control: each micro-batch
+    (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; a shared prompt per group (#40) at
+    TP2 + SP, PP2 and DP4 equals the reference; the control: each micro-batch
     divided by its own token count fails. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on every layout at
     both temperatures (84 steps instead of 12; not in CI's time budget), ``MCORE_PACKING_PG_LAYOUTS=0,3`` runs
     those layouts (indices into the list below) only."""
@@ -219,6 +255,10 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     configs += [{**_config(NAMES[0], 0.7), "label": "DP4"}, {**_config(NAMES[4], 1.0), "label": "DP4"}]
     configs += [{"mode": "packing", "logprobs": True, "temperature": 0.7, "train_mb_tokens": 64, "pg": None, **lay}
                 for lay in ({"cp": 2}, {"tp": 2, "sp": True})]  # fmt: skip
+    shared = [{**_config(NAMES[0], 0.7, tp=2, sp=True), "shared_prefix": True},  # #40: a shared prompt per group
+              {**_config(NAMES[4], 1.0, pp=2), "shared_prefix": True},
+              {**_config(NAMES[3], 0.7), "shared_prefix": True, "label": "DP4, shared prompt"}]  # fmt: skip
+    configs += shared
     # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
     configs.append({**_config(NAMES[1], 1.0, cp=2), "negative_pg": "per_microbatch_normalization"})
     results = _run(reference, 4, configs)
@@ -239,6 +279,10 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     ratios = [_sampled_ratio_error(r, reference) for r in results[count + 2 : count + 4]]
     print(f"sampled at T=0.7, CP2 and TP2: |ratio - 1| <= {max(ratios):.1e}")
     assert max(ratios) <= 1e-6
+    table = []
+    for result in results[count + 4 : count + 4 + len(shared)]:
+        _check(result, reference, table)
+    print("shared prompt:\n" + "\n".join(table))
     wrong = results[-1]
     ref = reference["by_case"][(NAMES[1], 1.0)]
     print(f"per-micro-batch normalization (control): loss {_errors(wrong, ref)[0]:.1e}")
