@@ -7,7 +7,7 @@ and their ratio, beside the planner's predicted ratio (`planning.shared_prefix`'
 the FLOP cost model of the model's shape). Rollouts: ``--groups`` groups of ``--generations`` responses of
 about ``--response-tokens`` tokens; the prompt is ``ratio`` times that, for each ``--ratios`` value.
 
-    python benchmarks/shared_prefix.py                 # ratios 4, 1 and 0.25; a few minutes on 2 cores
+    python benchmarks/shared_prefix.py                 # ratios 4, 1 and 0.25; about a minute on 2 cores
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--groups", type=int, default=2, help="prompts per step")
     parser.add_argument("--generations", type=int, default=8, help="responses per prompt (G)")
     parser.add_argument("--response-tokens", type=int, default=96, help="mean response length")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps of each setting (after a warm-up each)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps of each setting (after a warm-up each)")
     parser.add_argument("--out", default="benchmarks/results/shared_prefix.json")
     args = parser.parse_args(argv)
     import numpy as np

@@ -118,4 +118,26 @@ def shared_prefix_worker(rank, world_size, cases):
                     "packed_row_tokens": batch.total_tokens,
                 }
             )
+        out[0]["refusals"] = _refusals(model, reference_model, cases[0])
     return out
+
+
+def _refusals(model, stock_model, case) -> list[str]:
+    """What the step driver says to a shared-prefix plan with a row-weighted loss, and with a model whose
+    attention cannot read the layout (Megatron's stock attention)."""
+    from mcore_packing.megatron import TokenMeanNLL
+    from mcore_packing.megatron.schedule import _check_shared_prefix
+    from mcore_packing.planning import SharedPrefix, StepPlanConfig, plan_step
+
+    groups = [g for g, members in enumerate(case["groups"]) for _ in members]
+    prompts = [case["prompts"][g] for g in groups]
+    plan = plan_step([len(t) for t in case["tokens"]], StepPlanConfig(train_mb_tokens=256),
+                     shared_prefix=SharedPrefix(group_ids=groups, prompt_lengths=prompts))  # fmt: skip
+    messages = []
+    for chunk, loss in ((model, TokenMeanNLL()), (stock_model, None)):
+        try:
+            _check_shared_prefix(chunk, plan, loss)
+            messages.append("")
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages

@@ -49,6 +49,14 @@ def test_grpo_plan_small(tmp_path):
     assert rows["training padded"]["computed_over_real"] > rows["training packing"]["computed_over_real"]
 
 
+def test_shared_prefix_small(tmp_path):
+    out = tmp_path / "shared.json"
+    proc = run("benchmarks/shared_prefix.py", "--ratios", "4", "--groups", "1", "--repeats", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["tokens_saved"] > 0.5 and row["predicted_speedup"] > 1.5 and "measured" in proc.stdout
+
+
 @pytest.mark.multirank
 def test_step_throughput_quick():
     proc = run("benchmarks/step_throughput.py", "--quick")

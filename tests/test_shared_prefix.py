@@ -124,3 +124,10 @@ def test_shared_prefix_logits_logprobs_and_grads_equal_each_sequence_alone(model
     assert unrotated > 1e-3 and crossed > 1e-3
     for res in model_results:
         assert res["row_tokens"] < res["packed_row_tokens"]
+
+
+@pytest.mark.multirank
+def test_the_step_refuses_what_cannot_read_a_shared_row(model_results):
+    weighted, stock = model_results[0]["refusals"]
+    assert "TokenMeanNLL weights the packed row's tokens" in weighted
+    assert "needs the built-in attention (PackedCoreAttention)" in stock and "model.attention_backend=local" in stock
