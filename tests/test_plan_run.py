@@ -101,3 +101,22 @@ def test_dpo_pairs_are_planned_together_and_a_grpo_run_without_rollouts_says_wha
     code = plan.main(["--recipe", "qwen2_7b_grpo_cp"])
     err = capsys.readouterr().err
     assert code == 2 and "grpo.rollouts is not set" in err and "--lengths FILE" in err
+
+
+def test_a_grpo_run_with_shared_prompts_reports_the_tokens_and_compute_saved(tmp_path, capsys):
+    """grpo.shared_prefix (#40): `plan` lays each group's prompt out once, as the step does, and says so."""
+    rollouts, groups, prompt = tmp_path / "rollouts.jsonl", 4, list(range(1, 11))
+    rows = [{"prompt_tokens": [*prompt[:-1], g], "response_tokens": [7] * (5 + r + g), "reward": float(r),
+             "group_id": g} for g in range(groups) for r in range(4)]  # fmt: skip
+    rollouts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    args = ("algorithm=grpo", f"grpo.rollouts={rollouts}", f"grpo.num_prompts_per_step={groups}", "--steps", "2")
+    doc = run_json(capsys, *args, "grpo.shared_prefix=true")
+    shared = doc["summary"]["shared_prefix"]
+    separate = sum(len(r["prompt_tokens"]) + len(r["response_tokens"]) for r in rows)
+    computed = sum(len(prompt) + 4 - 1 for _ in range(groups)) + sum(len(r["response_tokens"]) for r in rows)
+    assert (shared["separate_tokens"], shared["computed_tokens"]) == (2 * separate, 2 * computed)  # two steps
+    assert shared["shared_groups"] == 2 * groups and shared["fallback_groups"] == []
+    assert 0 < shared["predicted_compute_saved"] and shared["tokens_saved"] == pytest.approx(1 - computed / separate)
+    assert "shared_prefix" not in run_json(capsys, *args)["summary"]  # control: off by default
+    assert plan.main([*args, "grpo.shared_prefix=true"]) == 0
+    assert f"computed tokens {2 * computed:,} of {2 * separate:,}" in capsys.readouterr().out

@@ -52,6 +52,7 @@ from ..planning import (
     summarize,
 )
 from ..planning.report import summarize_dynamic_cp
+from ..planning.shared_prefix import SharedPrefix
 from .config import ConfigError, TrainConfig, budget_key, check_shape_on_layout, plan_config, validate_layout
 from .recipes import RECIPES
 
@@ -344,7 +345,7 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
             raise PlanInputError("--global-batch-size 0 (one batch of everything) is for --lengths/--corpus; the "
                                  "run's data is planned in the run's global batches.")  # fmt: skip
         source, lengths, config, shape, cuts = _run_data(cfg, world)
-    gbs, sizes, groups = cuts
+    gbs, sizes, groups, shared = cuts
     # the pad-to-longest baseline has the run's padded rows (the plan itself only uses them in padded mode)
     config = dataclasses.replace(config, padded_rows=cfg.training.padded_micro_batch_rows)
     dynamic = _dynamic_cp(lengths, config, gbs, sizes, groups)
@@ -352,7 +353,7 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
     try:
         summary = summarize(lengths, config, global_batch_size=gbs, padded_rows=config.padded_rows,
                             model=config.cost_model, progress=not args.json, batch_sizes=sizes,
-                            groups=groups)  # fmt: skip
+                            groups=groups, shared_prefix=shared)  # fmt: skip
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
     if args.png and not args.no_png:
@@ -400,7 +401,7 @@ def _other_lengths(args, cfg: TrainConfig, world: int):
                               fix="truncate or split those sequences upstream")  # fmt: skip
         except ValueError as exc:
             raise PlanInputError(str(exc)) from None
-    return source, lengths, config, shape, (gbs, None, None)
+    return source, lengths, config, shape, (gbs, None, None, None)
 
 
 def _run_data(cfg: TrainConfig, world: int):
@@ -415,17 +416,23 @@ def _run_data(cfg: TrainConfig, world: int):
         raise PlanInputError(f"{missing}, or plan other lengths with --lengths FILE or --corpus NAME.")
     inputs = prepare_run(cfg, world, dry_run=True)
     sampler = GlobalBatchSampler(inputs.data.num_units, inputs.batch_units, cfg.training.seed)
-    order, sizes, groups = [], [], []
+    order, sizes, groups, shared_ids, prompts = [], [], [], [], []
+    sharing = getattr(algorithm, "shared_prefix", lambda *_: None)
     for _ in range(cfg.training.steps):
         batch_ids = inputs.data.sample_ids(sampler.next_batch())
         for ids, pass_groups in algorithm.training_passes(cfg, inputs.data, batch_ids):
             order += ids
             sizes.append(len(ids))
             groups += pass_groups if pass_groups is not None else [None] * len(ids)
+            spec = sharing(cfg, inputs.data, ids)
+            if spec is not None:
+                shared_ids += spec.group_ids
+                prompts += spec.prompt_lengths
     lengths = np.asarray([inputs.lengths[i] for i in order], dtype=np.int64)
     info = inputs.data.info
     source = f"the run's data: {info.get('path') or info['source']} ({info['tokenizer']})"
-    cuts = (0, sizes, None if all(g is None for g in groups) else groups)
+    shared = SharedPrefix(group_ids=shared_ids, prompt_lengths=prompts) if shared_ids else None
+    cuts = (0, sizes, None if all(g is None for g in groups) else groups, shared)
     return source, lengths, inputs.step_config, inputs.shape, cuts
 
 
@@ -433,7 +440,7 @@ def _document(args, cfg: TrainConfig, source, lengths, config: StepPlanConfig, s
               cuts) -> dict:  # fmt: skip
     capacity = config.row_capacity()
     packer = get_packer(config.algorithm, capacity, refine=config.refine)
-    gbs, sizes, groups = cuts
+    gbs, sizes, groups, _ = cuts
     whole = None
     if config.mode == "packing" and groups is None:  # groups (DPO pairs) pack only within their batches
         padded = config.padded_lengths(lengths)
@@ -516,6 +523,15 @@ def _print_text(doc: dict) -> None:
         f"{s['compute_saved_with_attention']:.1%} (with attention; attention is "
         f"{s['attention_share_of_real_work']:.1%} of the real work for this model)"
     )
+    shared = s.get("shared_prefix")
+    if shared is not None:
+        alone = len(shared["fallback_groups"])
+        fallback = f", {alone} planned as separate sequences" if alone else ""
+        print(
+            f"  shared prompts (grpo.shared_prefix): {shared['shared_groups']:,} groups{fallback}; computed tokens "
+            f"{shared['computed_tokens']:,} of {shared['separate_tokens']:,} ({shared['tokens_saved']:.1%} saved), "
+            f"predicted compute saved {shared['predicted_compute_saved']:.1%}"
+        )
     print(
         f"  slowest DP rank / mean: tokens {s['rank_token_imbalance_mean']:.3f} (worst step "
         f"{s['rank_token_imbalance_worst']:.3f}), attention-aware cost {s['rank_cost_imbalance_mean']:.3f} "

@@ -22,6 +22,7 @@ import numpy as np
 from ..packing import get_packer
 from .cost_model import CostModel
 from .pipeline import pipeline_lower_bound, simulate_1f1b
+from .shared_prefix import SharedPrefix
 from .step_config import StepPlanConfig
 from .step_plan import plan_step
 
@@ -48,13 +49,19 @@ class _Tally:
     bound: float = 0.0
     below_half: int = 0
     below_half_forced: int = 0
+    shared: dict | None = None  # the shared-prefix reports summed (`StepPlan.shared_report`)
 
     def __post_init__(self):
         self.rank_tokens = np.zeros(self.dp)
         self.rank_cost = np.zeros(self.dp)
 
-    def add(self, batch: np.ndarray, config: StepPlanConfig, padded_rows: int, model: CostModel, groups=None) -> None:
-        plan = plan_step(batch, config, groups=groups)
+    def add(self, batch: np.ndarray, config: StepPlanConfig, padded_rows: int, model: CostModel, groups=None,
+            shared_prefix: SharedPrefix | None = None) -> None:  # fmt: skip
+        plan = plan_step(batch, config, groups=groups, shared_prefix=shared_prefix)
+        if plan.shared_report is not None:
+            report = plan.shared_report
+            self.shared = {key: (self.shared or {}).get(key, [] if key == "fallback_groups" else 0) + report[key]
+                           for key in report}  # fmt: skip
         capacity = plan.row_capacity
         self.lower_bound += -(-int(batch.sum()) // capacity)
         tokens = np.array([sum(mb.padded_tokens for mb in rank) for rank in plan.micro_batches], dtype=np.float64)
@@ -123,6 +130,7 @@ def summarize(
     progress: bool = False,
     batch_sizes: Sequence[int] | None = None,
     groups: Sequence | None = None,
+    shared_prefix: SharedPrefix | None = None,
 ) -> dict:
     """Plan every global batch of ``lengths`` (in order; 0 = one batch) and aggregate the statistics.
 
@@ -130,14 +138,20 @@ def summarize(
     `plan_step` each, and ``groups`` (a group id per sample, or None) keeps groups in one micro-batch: what
     a training run's passes do (`app.algorithms`' ``training_passes``). ``model`` prices the pad-to-longest
     baseline and the real work; the plan's micro-batches are priced by ``config.cost_model`` (pass the same
-    model in both for comparable numbers).
+    model in both for comparable numbers). ``shared_prefix`` (one entry per sample of ``lengths``): each
+    group's prompt laid out once (`planning.shared_prefix`); the summary's ``shared_prefix`` then says the
+    tokens and the predicted cost with and without it.
     """
     bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
     show = progress and len(bounds) >= 200 and sys.stderr.isatty()
     tally = _Tally(dp=config.layout.dp)
     began = time.time()
     for k, (lo, hi) in enumerate(bounds):
-        tally.add(lengths[lo:hi], config, padded_rows, model, None if groups is None else list(groups[lo:hi]))
+        part = None
+        if shared_prefix is not None:
+            part = SharedPrefix(group_ids=shared_prefix.group_ids[lo:hi],
+                                prompt_lengths=shared_prefix.prompt_lengths[lo:hi])  # fmt: skip
+        tally.add(lengths[lo:hi], config, padded_rows, model, None if groups is None else list(groups[lo:hi]), part)
         if show and (k % 50 == 0 or k == len(bounds) - 1):
             sys.stderr.write(f"\rplanning global batches: {k + 1}/{len(bounds)} ({time.time() - began:4.1f}s)")
             sys.stderr.write("\n" if k == len(bounds) - 1 else "")
@@ -186,10 +200,17 @@ def _summary(lengths: np.ndarray, config: StepPlanConfig, model: CostModel, t: _
         "fill_histogram": np.histogram(np.clip(t.fills, 0, 1), bins=10, range=(0, 1))[0].tolist(),
         "below_half_full": t.below_half,
         "below_half_full_forced_by_equal_counts": t.below_half_forced,
+        **({"shared_prefix": _shared_summary(t.shared)} if t.shared is not None else {}),
         "_fills": t.fills,
         "_rank_tokens": t.rank_tokens.tolist(),
         "_rank_cost": t.rank_cost.tolist(),
     }
+
+
+def _shared_summary(shared: dict) -> dict:
+    """The shared-prefix sums with the shares they save."""
+    return {**shared, "tokens_saved": 1 - shared["computed_tokens"] / shared["separate_tokens"],
+            "predicted_compute_saved": 1 - shared["shared_cost"] / shared["separate_cost"]}  # fmt: skip
 
 
 def recommend_budget(
