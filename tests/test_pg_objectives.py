@@ -93,7 +93,7 @@ def _check(result: dict, reference: dict, table: list) -> None:
     cfg = result["config"]
     ref = reference["by_case"][(cfg["case"], cfg["temperature"])]
     loss_error, grad_error = _errors(result, ref)
-    layout = ", ".join(f"{k}={cfg[k]}" for k in ("tp", "sp", "pp", "cp", "dynamic_cp") if k in cfg)
+    layout = ", ".join(f"{k}={cfg[k]}" for k in ("tp", "sp", "pp", "vpp", "cp", "dynamic_cp") if k in cfg)
     layout = layout or cfg.get("label", "1 rank")
     table.append(f"| {cfg['case']} | T={cfg['temperature']} | {cfg['mode']} | {layout} | {loss_error:.1e} | "
                  f"{grad_error:.1e} |")  # fmt: skip
@@ -228,7 +228,7 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, TP2 x PP2, dynamic CP
     (CP4 packed, CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step
     (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; a shared prompt per group (#40) at
-    TP2 + SP, PP2 and DP4 equals the reference; the control: each micro-batch
+    TP2 + SP, PP2, PP2 x VPP2 and DP4 equals the reference; the control: each micro-batch
     divided by its own token count fails. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on every layout at
     both temperatures (84 steps instead of 12; not in CI's time budget), ``MCORE_PACKING_PG_LAYOUTS=0,3`` runs
     those layouts (indices into the list below) only."""
@@ -257,6 +257,7 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
                 for lay in ({"cp": 2}, {"tp": 2, "sp": True})]  # fmt: skip
     shared = [{**_config(NAMES[0], 0.7, tp=2, sp=True), "shared_prefix": True},  # #40: a shared prompt per group
               {**_config(NAMES[4], 1.0, pp=2), "shared_prefix": True},
+              {**_config(NAMES[1], 1.0, pp=2, vpp=2), "shared_prefix": True},  # the interleaved schedule
               {**_config(NAMES[3], 0.7), "shared_prefix": True, "label": "DP4, shared prompt"}]  # fmt: skip
     configs += shared
     # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
