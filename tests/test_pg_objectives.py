@@ -146,6 +146,8 @@ LOGPROBS = [{"mode": mode, "logprobs": True, "temperature": t, "train_mb_tokens"
 # #40: every case with each group's prompt laid out once, and two controls: the prompt's keys at the wrong
 # RoPE distance from the responses, and a response attending to the response before it instead of the prompt.
 SHARED = [{**_config(name, 0.7), "shared_prefix": True} for name in NAMES]
+# dynamic batching: at this budget some groups share a THD row, the rest fall back to BSHD rows of their own
+SHARED_DYNAMIC = [{**_config(NAMES[1], 1.0, mode="dynamic", train_mb_tokens=40), "shared_prefix": True}]
 SHARED_CONTROLS = [{**SHARED[0], "negative": kind} for kind in ("shared_prefix_unrotated", "shared_prefix_crossed")]
 
 
@@ -153,11 +155,12 @@ SHARED_CONTROLS = [{**SHARED[0], "negative": kind} for kind in ("shared_prefix_u
 def one_rank(reference):
     """Every 1-rank step of the module in one spawn: the cases, the smaller budget, the controls, the
     sampled responses' log-probs, the shared prompts (#40) and their controls."""
-    configs = ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS + SHARED + SHARED_CONTROLS
+    configs = ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS + SHARED + SHARED_DYNAMIC + SHARED_CONTROLS
     results = _run(reference, 1, configs)
     parts, start = {}, 0
     for name, configs in (("main", ONE_RANK), ("half", HALF_BUDGET), ("controls", CONTROLS), ("sampled", LOGPROBS),
-                          ("shared", SHARED), ("shared_controls", SHARED_CONTROLS)):  # fmt: skip
+                          ("shared", SHARED), ("shared_dynamic", SHARED_DYNAMIC),
+                          ("shared_controls", SHARED_CONTROLS)):  # fmt: skip
         parts[name], start = results[start : start + len(configs)], start + len(configs)
     return parts
 
@@ -209,12 +212,17 @@ def _computed_tokens(samples) -> int:
 
 def test_every_objective_with_a_shared_prompt_at_one_rank(reference, one_rank):
     """#40: each group's prompt laid out once gives every case's loss, gradients and entropy (<= 1e-5) from
-    P + sum(R) + G - 1 tokens per group; the controls (the prompt's keys unrotated for the responses' RoPE
+    P + sum(R) + G - 1 tokens per group, packed, and dynamically batched with THD rows for the groups that
+    fit beside BSHD rows for the rest; the controls (the prompt's keys unrotated for the responses' RoPE
     positions, a response seeing another) move the gradients."""
     table = []
+    separate = sum(len(s["tokens"]) for s in ROLLOUTS)
     for result in one_rank["shared"]:
         _check(result, reference, table)
-        assert result["real_tokens"] == _computed_tokens(ROLLOUTS) < sum(len(s["tokens"]) for s in ROLLOUTS)
+        assert result["real_tokens"] == _computed_tokens(ROLLOUTS) < separate
+    for result in one_rank["shared_dynamic"]:  # THD rows of shared groups beside BSHD rows of the others
+        _check(result, reference, table)
+        assert _computed_tokens(ROLLOUTS) < result["real_tokens"] < separate
     print("\n".join(table))
     ref = reference["by_case"][(NAMES[0], 0.7)]
     for result in one_rank["shared_controls"]:
@@ -228,7 +236,7 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, TP2 x PP2, dynamic CP
     (CP4 packed, CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step
     (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; a shared prompt per group (#40) at
-    TP2 + SP, PP2, PP2 x VPP2 and DP4 equals the reference; the control: each micro-batch
+    TP2 + SP, PP2 (dynamic batching), PP2 x VPP2 and DP4 equals the reference; the control: each micro-batch
     divided by its own token count fails. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on every layout at
     both temperatures (84 steps instead of 12; not in CI's time budget), ``MCORE_PACKING_PG_LAYOUTS=0,3`` runs
     those layouts (indices into the list below) only."""
@@ -256,8 +264,10 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     configs += [{"mode": "packing", "logprobs": True, "temperature": 0.7, "train_mb_tokens": 64, "pg": None, **lay}
                 for lay in ({"cp": 2}, {"tp": 2, "sp": True})]  # fmt: skip
     shared = [{**_config(NAMES[0], 0.7, tp=2, sp=True), "shared_prefix": True},  # #40: a shared prompt per group
-              {**_config(NAMES[4], 1.0, pp=2), "shared_prefix": True},
-              {**_config(NAMES[1], 1.0, pp=2, vpp=2), "shared_prefix": True},  # the interleaved schedule
+              # dynamic batching: THD rows of shared groups and BSHD rows of the rest, through the pipeline
+              {**_config(NAMES[1], 1.0, pp=2, mode="dynamic", variable_seq_lengths=True, train_mb_tokens=40),
+               "shared_prefix": True},
+              {**_config(NAMES[4], 1.0, pp=2, vpp=2), "shared_prefix": True},  # the interleaved schedule
               {**_config(NAMES[3], 0.7), "shared_prefix": True, "label": "DP4, shared prompt"}]  # fmt: skip
     configs += shared
     # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.

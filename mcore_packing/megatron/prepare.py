@@ -1,7 +1,8 @@
 """This rank's micro-batches as tensors: the plan's samples -> THD rows or BSHD rows, split for CP.
 
 `prepare_micro_batch` builds one `PreparedMicroBatch`: a packed THD row with its ``PackedSeqParams``
-(packing mode) or padded BSHD rows (dynamic and padded modes), each cut to this CP rank's chunks, with
+(packing mode, and a shared-prefix group's row under dynamic batching) or padded BSHD rows (dynamic and
+padded modes), each cut to this CP rank's chunks, with
 the per-token loss weights of `thd.token_weights`. `per_sample_logprobs` is the one way back: the
 model's per-token losses of a micro-batch, CP shards gathered (differentiably), split into each
 sample's log-probs and loss mask.
@@ -83,7 +84,7 @@ def prepare_micro_batch(
     each token's sequence index, -1 at pads (for MoE routers; dense models need none). Everything is
     built on the host and reaches ``device`` in one non-blocking transfer (`thd.transfer.to_device_once`)."""
     chosen = [samples[i] for i in mb.sample_indices]
-    prepare = _prepare_thd if plan.config.mode == "packing" else _prepare_bshd
+    prepare = _prepare_thd if plan.is_thd(mb) else _prepare_bshd  # dynamic batching: a shared group's row is THD
     weigh = totals is not None and normalization is not None
     host, fields = prepare(mb, chosen, plan, process_groups, totals if weigh else None, normalization, pad_token_id,
                            segments)  # fmt: skip

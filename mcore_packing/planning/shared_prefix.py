@@ -2,9 +2,10 @@
 
 A group of G responses to a prompt of P tokens is laid out as one context segment of ``P - 1`` tokens and
 G member segments of ``R_i + 1`` tokens (each response with its own copy of the prompt's last token, which
-predicts the response's first token). Each segment is padded as a sequence is (`StepPlanConfig.
-padded_lengths`), so the group's span in a row is ``pad(P - 1) + sum(pad(R_i + 1))`` instead of
-``sum(pad(P + R_i))``.
+predicts the response's first token). Each segment is padded as a THD sequence is (`PaddingRule.
+padded_length`), so the group's span in a row is ``pad(P - 1) + sum(pad(R_i + 1))`` instead of
+``sum(pad(P + R_i))``. Under dynamic batching a shared group is one THD row among the BSHD ones (a
+micro-batch holding one is laid out as a THD row, `StepPlan.is_thd`).
 
 Attention: the context attends causally to itself, ``sequence_cost(c)`` for ``c = P - 1``; a member of ``q``
 tokens attends to the context and causally to itself, which is the work of the last ``q`` queries of a
@@ -58,13 +59,16 @@ class SharedPrefix:
 
 @dataclass(frozen=True)
 class SharedPrefixLayout:
-    """The planner's view of a step's shared-prefix layout: per sample, the tokens (``real``), padded span
-    (``padded``) and attention cost (``costs``) it adds to its micro-batch (the first member of a shared
-    group carries the context), the shared prompt length it is laid out with (``prefix``: 0 when laid out
-    as its own sequence), and the units the packer must keep whole (a shared group, or one sample)."""
+    """The planner's view of a step's shared-prefix layout: per sample, the tokens (``real``), padded size
+    (``padded``: the THD span of a shared group's member, else the mode's padded length) and attention
+    cost (``costs``) it adds to its micro-batch (the first member of a shared group carries the context),
+    its span in a THD row (``spans``), the shared prompt length it is laid out with (``prefix``: 0 when
+    laid out as its own sequence), and the units the packer must keep whole (a shared group, or one
+    sample)."""
 
     real: np.ndarray
     padded: np.ndarray
+    spans: np.ndarray
     costs: np.ndarray
     prefix: tuple[int, ...]
     units: list[list[int]]
@@ -84,14 +88,19 @@ class SharedPrefixLayout:
 
 
 def shared_prefix_layout(
-    lengths: np.ndarray, spec: SharedPrefix, config: StepPlanConfig, model: CostModel, *, forward_only: bool = False
+    lengths: np.ndarray, spec: SharedPrefix, config: StepPlanConfig, model: CostModel, *, forward_only: bool = False,
+    keep_groups: bool = False,
 ) -> SharedPrefixLayout:
-    """The layout of ``spec`` over samples of ``lengths`` (see the module docstring)."""
+    """The layout of ``spec`` over samples of ``lengths`` (see the module docstring). ``keep_groups``: a
+    group that does not fit one micro-batch shared stays one unit of separate sequences (the caller keeps
+    groups whole, and `StepPlanConfig.check_groups_fit` says whether it fits that way), not single samples."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(spec.group_ids) != lengths.size:
         raise ValueError(f"SharedPrefix covers {len(spec.group_ids)} samples; the batch has {lengths.size}.")
     padded = config.padded_lengths(lengths)
-    real, spans = lengths.astype(np.int64).copy(), padded.copy()
+    rule = config.padding_rule
+    span_of = lambda n: -(-np.asarray(n, dtype=np.int64) // rule.sequence_multiple) * rule.sequence_multiple  # noqa: E731
+    real, spans = lengths.astype(np.int64).copy(), span_of(lengths)
     costs = model.sequence_cost(padded).astype(np.float64)
     prefix = [0] * lengths.size
     capacity = config.row_capacity(forward_only)
@@ -112,24 +121,25 @@ def shared_prefix_layout(
             continue
         context = prompt - 1
         own = lengths[group] - context
-        own_spans = config.padded_lengths(own)
-        context_span = int(config.padded_lengths(np.array([context]))[0])
+        own_spans = span_of(own)
+        context_span = int(span_of(context))
         if context_span + int(own_spans.sum()) > capacity:
             fallback.append(g)
-            units += [[i] for i in group]
+            units += [list(group)] if keep_groups else [[i] for i in group]
             continue
         shared.append(g)
         units.append(list(group))
         member_costs = model.sequence_cost(context + own_spans) - model.sequence_cost([context])[0]
         member_costs = member_costs + model.per_sequence  # sequence_cost's difference cancelled the constant
-        real[group], spans[group], costs[group] = own, own_spans, member_costs
+        real[group], spans[group], padded[group], costs[group] = own, own_spans, own_spans, member_costs
         first = group[0]
         real[first] += context
         spans[first] += context_span
+        padded[first] += context_span
         costs[first] += model.sequence_cost([context_span])[0]
         for i in group:
             prefix[i] = prompt
-    return SharedPrefixLayout(real=real, padded=spans, costs=costs, prefix=tuple(prefix), units=units,
+    return SharedPrefixLayout(real=real, padded=padded, spans=spans, costs=costs, prefix=tuple(prefix), units=units,
                               shared_groups=tuple(shared), fallback_groups=tuple(fallback))  # fmt: skip
 
 

@@ -133,6 +133,13 @@ class StepPlan:
         """Predicted cost of each DP rank's micro-batches (the slowest sets the step time)."""
         return [sum(mb.cost for mb in rank) for rank in self.micro_batches]
 
+    def is_thd(self, mb: MicroBatchPlan) -> bool:
+        """Whether ``mb`` is a packed THD row: every micro-batch in packing mode, and under dynamic batching
+        one that holds a shared-prefix group (the rest are BSHD rows)."""
+        if self.config.mode == "packing":
+            return True
+        return self.shared_prefix is not None and any(self.shared_prefix[i] for i in mb.sample_indices)
+
     def shared_prefix_groups(self, mb: MicroBatchPlan) -> tuple[list[list[int]], list[int]]:
         """``mb``'s samples as positions in ``mb.sample_indices``, one list per shared group (consecutive:
         the planner keeps a shared group whole) or per sample laid out alone, and each list's shared prompt
@@ -202,8 +209,8 @@ def plan_step(
     ``shared_prefix``: the responses of a group laid out after one copy of their prompt
     (`planning.shared_prefix`): a group's tokens and cost are the shared layout's, the group is kept whole
     (when it fits one micro-batch; else its members are planned alone, reported), and the plan records
-    each sample's shared prompt. Packing mode, without context parallelism; ``groups``, when given, must
-    be the same ids.
+    each sample's shared prompt. Packing or dynamic mode (a shared group's micro-batch is then a THD row
+    among the BSHD ones), without context parallelism; ``groups``, when given, must be the same ids.
 
     With ``config.dynamic_cp`` the plan is a `dynamic_cp.DynamicCPPlan` (rows on CP sub-groups of the DP
     x CP ranks, at the pass's budget per rank) instead of a `StepPlan`.
@@ -238,11 +245,15 @@ def plan_step(
         bins = [[i for u in b for i in items[u]] for b in unit_bins] if units is not None else unit_bins
         shapes = _row_shapes(bins, padded, capacity, config)
     elif config.mode == "dynamic":
-        bins, shapes = _plan_dynamic(lengths, padded, capacity, config, units)
+        bins, shapes = _plan_dynamic(lengths, padded, capacity, config, units, sharing)
     else:
         bins, shapes = _plan_padded(lengths, padded, config)
     real_lengths = lengths if real_lengths is None else real_lengths
     real, costs = _bin_totals(bins, shapes, real_lengths, padded, config, model, sample_costs)
+    if sharing is not None and config.mode == "dynamic":  # a THD row among the BSHD ones: its sequences' costs
+        for j, b in enumerate(bins):
+            if any(sharing.prefix[i] for i in b):
+                costs[j] = float(sample_costs[b].sum()) + model.per_microbatch
     micro = [
         MicroBatchPlan(tuple(b), shape, int(r), float(c))
         for b, shape, r, c in zip(bins, shapes, real, costs, strict=True)
@@ -263,19 +274,26 @@ def plan_step(
 
 
 def _check_sharing_applies(config: StepPlanConfig) -> None:
-    if config.mode != "packing" or config.dynamic_cp or config.layout.cp > 1:
+    if config.mode == "padded" or config.dynamic_cp or config.layout.cp > 1:
         raise ValueError(
-            f"a shared prefix is laid out in packed THD rows on one CP rank; this plan has mode={config.mode!r}, "
-            f"cp={config.layout.cp}, dynamic_cp={config.dynamic_cp}. Use mode='packing' and cp=1, or leave "
-            "shared_prefix out."
+            f"a shared prefix is laid out in THD rows on one CP rank; this plan has mode={config.mode!r}, "
+            f"cp={config.layout.cp}, dynamic_cp={config.dynamic_cp}. Use mode='packing' or 'dynamic' and cp=1, or "
+            "leave shared_prefix out."
         )
 
 
 def _sharing(lengths, spec: SharedPrefix, groups, config: StepPlanConfig, model: CostModel, forward_only: bool):
-    """The shared-prefix layout of the batch (`planning.shared_prefix`)."""
+    """The shared-prefix layout of the batch (`planning.shared_prefix`). With ``groups`` (kept whole) a group
+    too big to share must fit one micro-batch as separate sequences, else the budget check names it."""
     if groups is not None:
         check_same_groups(groups, spec)
-    return shared_prefix_layout(lengths, spec, config, model, forward_only=forward_only)
+    layout = shared_prefix_layout(lengths, spec, config, model, forward_only=forward_only,
+                                  keep_groups=groups is not None)  # fmt: skip
+    if groups is not None and layout.fallback_groups:
+        fallback = set(layout.fallback_groups)
+        kept = [i for i, g in enumerate(groups) if g in fallback]
+        config.check_groups_fit(lengths[kept], [groups[i] for i in kept], forward_only=forward_only)
+    return layout
 
 
 def _assign_and_order(
@@ -412,23 +430,33 @@ def _row_shapes(bins, padded, capacity, config) -> list[tuple[int, int]]:
     return [(1, int(r)) for r in rows]
 
 
-def _plan_dynamic(lengths, padded, capacity, config, units=None):
-    """Units (single samples, or whole groups) longest first, cut while ``rows * width <= capacity``."""
+def _plan_dynamic(lengths, padded, capacity, config, units=None, sharing=None):
+    """Units (single samples, or whole groups) longest first, cut while ``rows * width <= capacity``. A
+    shared-prefix group (``sharing``) counts as one row as wide as its shared span, and a micro-batch that
+    holds one becomes a THD row ``(1, its spans)`` (`StepPlan.is_thd`)."""
     units = units if units is not None else [[i] for i in range(lengths.size)]
-    longest = np.asarray([lengths[u].max() for u in units])
-    widths = [int(padded[u].max()) for u in units]
+    shared = [sharing is not None and sharing.prefix[u[0]] > 0 for u in units]
+    longest = np.asarray([padded[u].sum() if s else lengths[u].max() for u, s in zip(units, shared, strict=True)])
+    widths = [int(padded[u].sum()) if s else int(padded[u].max()) for u, s in zip(units, shared, strict=True)]
+    rows_of = [1 if s else len(u) for u, s in zip(units, shared, strict=True)]
     batches: list[list[int]] = []
     current: list[int] = []
     rows = width = 0
     for k in np.argsort(-longest, kind="stable").tolist():
-        w, r = max(width, widths[k]), rows + len(units[k])
+        w, r = max(width, widths[k]), rows + rows_of[k]
         if current and r * w > capacity:
             batches.append(current)
-            current, w, r = [], widths[k], len(units[k])
+            current, w, r = [], widths[k], rows_of[k]
         current.append(k)
         rows, width = r, w
     batches.append(current)
-    return _as_bins(_split_until_divisible(batches, [len(u) for u in units], config), units, padded)
+    bins, shapes = _as_bins(_split_until_divisible(batches, rows_of, config), units, padded)
+    if sharing is not None:
+        multiple = config.padding_rule.total_multiple
+        for j, b in enumerate(bins):
+            if any(sharing.prefix[i] for i in b):  # THD: its sequences' spans end to end, the row padded at its tail
+                shapes[j] = (1, -(-int(sharing.spans[b].sum()) // multiple) * multiple)
+    return bins, shapes
 
 
 def _plan_padded(lengths, padded, config):

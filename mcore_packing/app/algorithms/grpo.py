@@ -40,10 +40,12 @@ def check_config(cfg) -> None:
 
 
 def _check_shared_prefix(cfg) -> None:
-    """``grpo.shared_prefix``: packed rows on one CP rank, the built-in attention, a dense model."""
+    """``grpo.shared_prefix``: packed rows or dynamic batching on one CP rank, the built-in attention, a dense
+    model."""
     why = None
-    if not cfg.sequence_packing.enabled:
-        why = "it lays each group out in a packed row: set sequence_packing.enabled=true"
+    if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
+        why = ("it lays each group out in a THD row: set sequence_packing.enabled=true or "
+               "dynamic_batching.enabled=true")  # fmt: skip
     elif cfg.parallel.cp > 1 or cfg.context_parallel.dynamic:
         why = f"it runs without context parallelism (parallel.cp={cfg.parallel.cp}): set parallel.cp=1"
     elif cfg.model.attention_backend == "te":
