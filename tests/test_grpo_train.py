@@ -112,24 +112,32 @@ def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_
         assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
 
 
-def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, straight_run, rollouts_file):
-    """grpo.shared_prefix=true (#40): every pass lays a group's prompt out once; the losses and the KL to the
-    reference are the separate layout's, and each step computes P + sum(R) + G - 1 tokens per group."""
+@pytest.mark.parametrize("batching", [[], ["sequence_packing.enabled=false", "dynamic_batching.enabled=true",
+                                          "dynamic_batching.logprob_mb_tokens=384"]],
+                         ids=["packed", "dynamic"])  # fmt: skip
+def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, straight_run, rollouts_file, batching):
+    """grpo.shared_prefix=true (#40): every pass lays a group's prompt out once (packed rows, or THD rows
+    among dynamic batching's BSHD ones); the losses and the KL to the reference are the separate layout's,
+    and each step computes P + sum(R) + G - 1 tokens per group."""
     _, rows = rollouts_file
-    proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", "grpo.shared_prefix=true")
+    proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", "grpo.shared_prefix=true",
+                 *batching)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
         assert got["sample_ids"] == expected["sample_ids"]
         assert abs(got["loss"] - expected["loss"]) <= 1e-5 * max(1.0, abs(expected["loss"])), (got, expected)
         assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
         ids, shared = got["sample_ids"], got["shared_prefix"]
-        groups = {rows[i]["group_id"] for i in ids}
-        prompts = {rows[i]["group_id"]: len(rows[i]["prompt_tokens"]) for i in ids}
-        responses = sum(len(rows[i]["response_tokens"]) for i in ids)
-        assert shared["computed_tokens"] == sum(prompts.values()) + responses + sum(4 - 1 for _ in groups)
-        separate = sum(prompts[rows[i]["group_id"]] for i in ids) + responses
+        alone = set(shared["fallback_groups"])  # too big to share in one micro-batch: separate sequences
+        computed = separate = 0
+        for group in {rows[i]["group_id"] for i in ids}:
+            members = [rows[i] for i in ids if rows[i]["group_id"] == group]
+            prompt, responses = len(members[0]["prompt_tokens"]), sum(len(m["response_tokens"]) for m in members)
+            separate += len(members) * prompt + responses
+            computed += len(members) * prompt + responses if group in alone else prompt + responses + len(members) - 1
+        assert shared["computed_tokens"] == computed < separate
         assert shared["separate_tokens"] == got["useful_tokens"] == separate
-        assert shared["shared_groups"] == 3 and shared["fallback_groups"] == []
+        assert shared["shared_groups"] + len(alone) == 3 and shared["shared_groups"] > 0
 
 
 def test_minibatches_are_optimizer_steps_of_the_lr_schedule(tmp_path, rollouts_file):
