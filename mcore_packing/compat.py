@@ -69,8 +69,11 @@ def varlen_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, causal: bool = True, fn=None):
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, causal: bool = True, fn=None,
+                     cu_seqlens_k=None, max_seqlen_k: int | None = None):  # fmt: skip
     """Variable-length attention over ``[T, H, D]`` tensors through whichever ``varlen_attn`` torch has.
+    ``cu_seqlens_k`` / ``max_seqlen_k``: keys laid out with their own offsets (a shared-prefix row), the
+    causal mask then aligned bottom-right in each span (FlashAttention's since 2.1); default the queries'.
 
     Newer releases take ``window_size=(-1, 0)`` for causal masking, ``scale`` and ``enable_gqa``; older
     ones take ``is_causal`` and neither of the others, so the default scale is checked against ``scale``
@@ -100,7 +103,9 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, caus
         else:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    return fn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, **kwargs)
+    if cu_seqlens_k is None:
+        cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    return fn(q, k, v, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, **kwargs)
 
 
 MEGATRON_IMPORT_NOISE = (".*Transformer Engine and Apex are not installed.*", ".*Apex is not installed.*")

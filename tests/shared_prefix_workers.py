@@ -119,7 +119,49 @@ def shared_prefix_worker(rank, world_size, cases):
                 }
             )
         out[0]["refusals"] = _refusals(model, reference_model, cases[0])
+        for result, case in zip(out, cases, strict=True):  # the GPU's one varlen call, through a CPU stand-in
+            result["varlen"] = _through_varlen_stand_in(model, case)
     return out
+
+
+def _varlen_stand_in(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False,
+                     return_aux=None):  # fmt: skip
+    """What torch documents ``varlen_attn`` to compute, on the CPU: span ``i`` of the queries attends to span
+    ``i`` of the keys, causal aligned bottom-right (FlashAttention's since 2.1) when ``window_size=(-1, 0)``."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    out = torch.zeros_like(q)
+    for (a, b), (c, d) in zip(pairwise(cu_q.tolist()), pairwise(cu_k.tolist()), strict=True):
+        if b == a:
+            continue
+        qs, ks, vs = (t.transpose(0, 1) for t in (q[a:b], k[c:d], v[c:d]))
+        ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], dim=0) for t in (ks, vs))
+        mask = causal_lower_right(b - a, d - c) if window_size == (-1, 0) else None
+        attended = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale)
+        out[a:b] = attended.transpose(0, 1)
+    return out
+
+
+def _through_varlen_stand_in(model, case) -> list[torch.Tensor]:
+    """The case's per-sequence logits with `PackedCoreAttention` on its GPU path (the gathered keys, one
+    varlen call with separate query and key offsets), the kernel replaced by `_varlen_stand_in`."""
+    from functools import partial
+
+    import mcore_packing.megatron.attention as attention
+    from mcore_packing.compat import varlen_attention
+    from mcore_packing.thd import PaddingRule, SequenceSample
+    from mcore_packing.thd.shared_prefix import build_shared_prefix_row
+
+    samples = [SequenceSample(torch.tensor(t), m) for t, m in zip(case["tokens"], case["masks"], strict=True)]
+    row = build_shared_prefix_row(samples, case["groups"], case["prompts"], PaddingRule(**case["rule"]))
+    real = attention.varlen_attention, attention.PackedCoreAttention._use_varlen
+    attention.varlen_attention = partial(varlen_attention, fn=_varlen_stand_in)
+    attention.PackedCoreAttention._use_varlen = lambda self, q: True
+    try:
+        with torch.no_grad():
+            return _shared_forward(model, row, None, model.rotary_pos_emb, False)
+    finally:
+        attention.varlen_attention, attention.PackedCoreAttention._use_varlen = real
 
 
 def _refusals(model, stock_model, case) -> list[str]:

@@ -157,7 +157,7 @@ class PackedCoreAttention(MegatronModule):
                     "a shared-prefix row (grpo.shared_prefix) runs without context parallelism; set "
                     "context_parallel.size=1 or grpo.shared_prefix=false."
                 )
-            return self._thd_shared_prefix(q, k, v, layout, shared)
+            return self._thd_shared_prefix(q, k, v, params, layout, shared)
         if cp_size == 1:
             if self._use_varlen(q):
                 return self._thd_varlen(q, k, v, params, layout)
@@ -170,27 +170,25 @@ class PackedCoreAttention(MegatronModule):
             return out
         return self._thd_context_parallel(q, k, v, params, layout, group)
 
-    def _thd_shared_prefix(self, q, k, v, layout: ThdLayout, shared: SharedPrefixAttention) -> torch.Tensor:
-        """A shared-prefix row (`thd.shared_prefix`): a member segment's queries attend to its context's keys
-        (rotated back by the member's key shift, `megatron.shared_prefix`) and values, then causally to its
-        own, aligned bottom-right; a context or a plain sequence attends causally to itself. One rotated
-        copy of a context's keys per distinct shift; SDPA per segment (the CPU path; a GPU kernel would take
-        separate query and key cu_seqlens)."""
+    def _thd_shared_prefix(self, q, k, v, params, layout: ThdLayout, shared: SharedPrefixAttention) -> torch.Tensor:
+        """A shared-prefix row (`thd.shared_prefix`): each segment's keys gathered as its context's (rotated
+        back by the segment's key shift, `megatron.shared_prefix`) then its own; a segment's queries attend
+        to them causally aligned bottom-right (a context or a plain sequence: to its own only). On a GPU one
+        varlen call with separate query and key offsets; on the CPU SDPA per segment over its real tokens."""
+        plan = shared.key_plan(layout, q.device)
+        keys, values = shared.gathered_keys(k, v, plan, self.config, self.cp_group)
+        if self._use_varlen(q):
+            cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+            if cu.device != q.device or cu.dtype != torch.int32:
+                cu = cu.to(device=q.device, dtype=torch.int32)
+            return varlen_attention(q, keys, values, cu, max(layout.padded_lengths), scale=self._scale(q.shape[-1]),
+                                    cu_seqlens_k=plan.cu_keys, max_seqlen_k=plan.max_keys)  # fmt: skip
         out = torch.zeros_like(q)
-        rotated: dict[tuple[int, int], torch.Tensor] = {}
         for j, (start, n) in enumerate(zip(layout.padded_starts, layout.real_lengths, strict=True)):
             if n == 0:
                 continue
-            s, context = slice(start, start + n), shared.context(j)
-            if context < 0:
-                out[s] = self._sdpa(q[s], k[s], v[s])
-                continue
-            c = slice(layout.padded_starts[context], layout.padded_starts[context] + layout.real_lengths[context])
-            shift = shared.key_shifts[j]
-            if (context, shift) not in rotated:
-                rotated[context, shift] = shared.rotate_keys(k[c], shift, self.config, self.cp_group)
-            keys, values = torch.cat([rotated[context, shift], k[s]]), torch.cat([v[c], v[s]])
-            out[s] = self._sdpa(q[s], keys, values)
+            first, through = plan.key_starts[j], plan.key_starts[j] + plan.context_lengths[j] + n
+            out[start : start + n] = self._sdpa(q[start : start + n], keys[first:through], values[first:through])
         return out
 
     def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
