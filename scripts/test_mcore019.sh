@@ -3,7 +3,8 @@
 # context parallelism, the interleaved schedule, HF import, the optimizer and dist_checkpointing, the DPO and
 # policy-gradient steps with the output-layer hooks of temperature and entropy, a reward model's head and its
 # checkpoint, the version-pinned patches), in the second environment
-# (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh).
+# (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh); the checkpoint folder's
+# own logic (a killed save, a truncated checkpoint) runs there only.
 # Other arguments go to pytest. Workers as in scripts/test.sh (MCORE_PACKING_TEST_WORKERS, 2 by default).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -16,6 +17,8 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
 "$venv/bin/python" -m pytest -n "${MCORE_PACKING_TEST_WORKERS:-2}" --dist loadfile -p no:cacheprovider --durations=15 \
   -W "ignore::UserWarning" \
   tests/test_patches.py tests/test_megatron_units.py tests/test_checkpoint.py \
+  --deselect tests/test_checkpoint.py::test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable \
+  --deselect tests/test_checkpoint.py::test_a_truncated_checkpoint_is_skipped_by_name_then_refused_alone \
   "tests/test_step_equivalence.py::test_two_ranks_match_reference" \
   tests/test_megatron_packed.py tests/test_dpo_packed.py \
   "tests/test_pg_packed.py::test_single_rank_packed_and_dynamic_pg_equal_unpacked" \

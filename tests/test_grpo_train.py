@@ -112,16 +112,17 @@ def test_two_ranks_give_the_single_rank_losses(tmp_path, straight_run, rollouts_
         assert got["reference_kl"] == pytest.approx(expected["reference_kl"], rel=1e-4, abs=1e-9)
 
 
-@pytest.mark.parametrize("batching", [[], ["sequence_packing.enabled=false", "dynamic_batching.enabled=true",
-                                          "dynamic_batching.logprob_mb_tokens=384"]],
-                         ids=["packed", "dynamic"])  # fmt: skip
-def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, straight_run, rollouts_file, batching):
-    """grpo.shared_prefix=true (#40): every pass lays a group's prompt out once (packed rows, or THD rows
-    among dynamic batching's BSHD ones); the losses and the KL to the reference are the separate layout's,
-    and each step computes P + sum(R) + G - 1 tokens per group."""
+def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, straight_run, rollouts_file):
+    """grpo.shared_prefix=true (#40), here under dynamic batching (the library's tests run packing too):
+    every pass lays a group's prompt out once, in THD rows among the BSHD ones (the log-prob pass's budget
+    holds every group shared, the training pass's not all: those fall back to BSHD rows); the losses and
+    the KL to the reference are the packed run's without it, and each step computes P + sum(R) + G - 1
+    tokens per shared group."""
     _, rows = rollouts_file
+    dynamic = ["sequence_packing.enabled=false", "dynamic_batching.enabled=true",
+               "dynamic_batching.logprob_mb_tokens=384"]
     proc = train(tmp_path, *GRPO, f"grpo.rollouts={rollouts_file[0]}", "training.steps=4", "grpo.shared_prefix=true",
-                 *batching)  # fmt: skip
+                 *dynamic)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for got, expected in zip(metrics(tmp_path), straight_run, strict=True):
         assert got["sample_ids"] == expected["sample_ids"]

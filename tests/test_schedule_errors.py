@@ -58,7 +58,7 @@ def test_sequence_loss_with_wrong_shape_names_what_was_expected():
 
     batch = build_packed_batch([SequenceSample([1, 2, 3]), SequenceSample([4, 5])], PaddingRule())
     prep = types.SimpleNamespace(packed=batch, full_loss_mask=batch.loss_mask[0], sample_ids=batch.sample_ids,
-                                 real_lengths=batch.seq_lengths, target_counts=(2.0, 1.0))  # fmt: skip
+                                 real_lengths=batch.seq_lengths, target_counts=(2.0, 1.0), shared=None)  # fmt: skip
     process_groups = types.SimpleNamespace(cp_size=1, cp_rank=0)
     output = torch.rand(1, batch.total_tokens)
     with pytest.raises(ValueError, match=r"scalar \(0-d\) tensor for each sequence, got \(2,\)"):
