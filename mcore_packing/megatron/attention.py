@@ -155,7 +155,7 @@ class PackedCoreAttention(MegatronModule):
             if cp_size > 1:
                 raise ValueError(
                     "a shared-prefix row (grpo.shared_prefix) runs without context parallelism; set "
-                    "context_parallel.size=1 or grpo.shared_prefix=false."
+                    "parallel.cp=1 or grpo.shared_prefix=false."
                 )
             return self._thd_shared_prefix(q, k, v, params, layout, shared)
         if cp_size == 1:
