@@ -489,6 +489,19 @@ def _document(args, cfg: TrainConfig, source, lengths, config: StepPlanConfig, s
     }
 
 
+def _print_shared_prefix(shared: dict | None) -> None:
+    """The summary's shared-prefix line (GRPO with ``grpo.shared_prefix``); nothing without one."""
+    if shared is None:
+        return
+    alone = len(shared["fallback_groups"])
+    fallback = f", {alone} planned as separate sequences" if alone else ""
+    print(
+        f"  shared prompts (grpo.shared_prefix): {shared['shared_groups']:,} groups{fallback}; computed tokens "
+        f"{shared['computed_tokens']:,} of {shared['separate_tokens']:,} ({shared['tokens_saved']:.1%} saved), "
+        f"predicted compute saved {shared['predicted_compute_saved']:.1%}"
+    )
+
+
 def _print_text(doc: dict) -> None:
     s, c, L = doc["summary"], doc["config"], doc["length"]
     print(f"source: {doc['source']}")
@@ -523,15 +536,7 @@ def _print_text(doc: dict) -> None:
         f"{s['compute_saved_with_attention']:.1%} (with attention; attention is "
         f"{s['attention_share_of_real_work']:.1%} of the real work for this model)"
     )
-    shared = s.get("shared_prefix")
-    if shared is not None:
-        alone = len(shared["fallback_groups"])
-        fallback = f", {alone} planned as separate sequences" if alone else ""
-        print(
-            f"  shared prompts (grpo.shared_prefix): {shared['shared_groups']:,} groups{fallback}; computed tokens "
-            f"{shared['computed_tokens']:,} of {shared['separate_tokens']:,} ({shared['tokens_saved']:.1%} saved), "
-            f"predicted compute saved {shared['predicted_compute_saved']:.1%}"
-        )
+    _print_shared_prefix(s.get("shared_prefix"))
     print(
         f"  slowest DP rank / mean: tokens {s['rank_token_imbalance_mean']:.3f} (worst step "
         f"{s['rank_token_imbalance_worst']:.3f}), attention-aware cost {s['rank_cost_imbalance_mean']:.3f} "
