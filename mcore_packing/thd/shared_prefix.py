@@ -42,7 +42,7 @@ import torch
 
 from ..data.sample import SequenceSample
 from ..planning.padding import PaddingRule
-from .packed_batch import PackedBatch, build_packed_batch
+from .packed_batch import PackedBatch, _checked_samples, build_packed_batch
 
 __all__ = ["SharedPrefixRow", "build_shared_prefix_row", "common_prefix_length"]
 
@@ -145,8 +145,7 @@ def build_shared_prefix_row(
                 context_of.append(-1)
                 shifts.append(0)
             continue
-        tokens = [torch.as_tensor(np.asarray(m.tokens)).reshape(-1).to(torch.long) for m in members]
-        masks = [_mask(m, t.numel()) for m, t in zip(members, tokens, strict=True)]
+        tokens, masks = _checked_samples(members, tuple(ids[i] for i in group))
         _check_group(g, [ids[i] for i in group], tokens, masks, prompt)
         context = len(segments)
         segments.append(SequenceSample(tokens[0][: prompt - 1], masks[0][: prompt - 1]))
@@ -169,15 +168,6 @@ def build_shared_prefix_row(
     return SharedPrefixRow(batch=batch, context_of=tuple(context_of), key_shifts=tuple(shifts),
                            sample_ids=tuple(ids[i] for i in order),
                            sample_segments=tuple(sample_segments))  # fmt: skip
-
-
-def _mask(sample: SequenceSample, n: int) -> torch.Tensor:
-    if sample.loss_mask is None:
-        return torch.ones(n, dtype=torch.float32)
-    mask = torch.as_tensor(np.asarray(sample.loss_mask), dtype=torch.float32).reshape(-1)
-    if mask.numel() != n:
-        raise ValueError(f"a sample's loss_mask has {mask.numel()} entries for {n} tokens.")
-    return mask
 
 
 def _check_group(g: int, ids: list[int], tokens: list[torch.Tensor], masks: list[torch.Tensor], prompt: int) -> None:
