@@ -24,13 +24,15 @@ def _shared_forward(model, row, attention, rotary, labels: bool) -> list[torch.T
     """The row's per-sequence outputs (logits, or per-token losses with ``labels``), in sample order;
     ``attention`` edits the attached `SharedPrefixAttention` first (the controls)."""
     from mcore_packing.megatron import to_packed_seq_params
-    from mcore_packing.megatron.shared_prefix import attach_shared_prefix
+    from mcore_packing.megatron.shared_prefix import attach_shared_prefix, score_extra_rows
 
     params = attach_shared_prefix(to_packed_seq_params(row.batch), row, rotary, "cpu")
     if attention is not None:
         attention(params)
-    kwargs = {"labels": row.batch.labels} if labels else {}
-    output = model(row.batch.tokens, row.batch.position_ids, None, packed_seq_params=params, **kwargs)
+    kwargs = {"labels": row.labels} if labels else {}  # the row's targets and the extra ones
+    extra = torch.tensor(row.extra_rows, dtype=torch.long) if labels else None
+    with score_extra_rows(model, extra):
+        output = model(row.batch.tokens, row.batch.position_ids, None, packed_seq_params=params, **kwargs)
     rows = row.sample_rows(output[0])
     return [rows[row.sample_ids.index(i)] for i in range(len(rows))]
 

@@ -116,7 +116,7 @@ def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, strai
     """grpo.shared_prefix=true (#40), here under dynamic batching (the library's tests run packing too):
     every pass lays a group's prompt out once, in THD rows among the BSHD ones (the log-prob pass's budget
     holds every group shared, the training pass's not all: those fall back to BSHD rows); the losses and
-    the KL to the reference are the packed run's without it, and each step computes P + sum(R) + G - 1
+    the KL to the reference are the packed run's without it, and each step computes P + sum(R)
     tokens per shared group."""
     _, rows = rollouts_file
     dynamic = ["sequence_packing.enabled=false", "dynamic_batching.enabled=true",
@@ -135,7 +135,7 @@ def test_a_shared_prompt_gives_the_same_losses_from_fewer_tokens(tmp_path, strai
             members = [rows[i] for i in ids if rows[i]["group_id"] == group]
             prompt, responses = len(members[0]["prompt_tokens"]), sum(len(m["response_tokens"]) for m in members)
             separate += len(members) * prompt + responses
-            computed += len(members) * prompt + responses if group in alone else prompt + responses + len(members) - 1
+            computed += len(members) * prompt + responses if group in alone else prompt + responses
         assert shared["computed_tokens"] == computed < separate
         assert shared["separate_tokens"] == got["useful_tokens"] == separate
         assert shared["shared_groups"] + len(alone) == 3 and shared["shared_groups"] > 0

@@ -198,21 +198,20 @@ def test_every_objective_at_one_rank_packed_dynamic_and_half_budget(reference, o
 
 
 def _computed_tokens(samples) -> int:
-    """Tokens of the shared-prefix layout, counted from the rollouts: per group its prompt, its responses,
-    and one copy of the prompt's last token per response but the first."""
+    """Tokens of the shared-prefix layout, counted from the rollouts: per group its prompt and its responses."""
     groups: dict = {}
     for s in samples:
         groups.setdefault(s["group"], []).append(s)
     total = 0
     for members in groups.values():
         prompt = members[0]["loss_mask"].index(1.0)
-        total += prompt + sum(len(m["tokens"]) - prompt for m in members) + len(members) - 1
+        total += prompt + sum(len(m["tokens"]) - prompt for m in members)
     return total
 
 
 def test_every_objective_with_a_shared_prompt_at_one_rank(reference, one_rank):
     """#40: each group's prompt laid out once gives every case's loss, gradients and entropy (<= 1e-5) from
-    P + sum(R) + G - 1 tokens per group, packed, and dynamically batched with THD rows for the groups that
+    P + sum(R) tokens per group, packed, and dynamically batched with THD rows for the groups that
     fit beside BSHD rows for the rest; the controls (the prompt's keys unrotated for the responses' RoPE
     positions, a response seeing another) move the gradients."""
     table = []

@@ -113,7 +113,7 @@ def test_a_grpo_run_with_shared_prompts_reports_the_tokens_and_compute_saved(tmp
     doc = run_json(capsys, *args, "grpo.shared_prefix=true")
     shared = doc["summary"]["shared_prefix"]
     separate = sum(len(r["prompt_tokens"]) + len(r["response_tokens"]) for r in rows)
-    computed = sum(len(prompt) + 4 - 1 for _ in range(groups)) + sum(len(r["response_tokens"]) for r in rows)
+    computed = sum(len(prompt) for _ in range(groups)) + sum(len(r["response_tokens"]) for r in rows)
     assert (shared["separate_tokens"], shared["computed_tokens"]) == (2 * separate, 2 * computed)  # two steps
     assert shared["shared_groups"] == 2 * groups and shared["fallback_groups"] == []
     assert 0 < shared["predicted_compute_saved"] and shared["tokens_saved"] == pytest.approx(1 - computed / separate)

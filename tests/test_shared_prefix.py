@@ -57,7 +57,9 @@ def test_every_token_comes_back_once_in_its_place(case):
     alone = build_packed_batch(samples)  # labels, loss masks and positions of each sequence alone
     starts = alone.cu_seqlens.tolist()
     fields = ("tokens", "labels", "loss_mask", "position_ids")
-    rows = {name: row.sample_rows(getattr(row.batch, name)[0]) for name in fields}
+    # tokens and positions per row position; labels and loss masks per target (the row's, then the extra ones)
+    sources = {"tokens": row.batch, "position_ids": row.batch, "labels": row, "loss_mask": row}
+    rows = {name: row.sample_rows(getattr(sources[name], name)[0]) for name in fields}
     for k, sample_id in enumerate(row.sample_ids):
         n = len(case["tokens"][sample_id])
         for name in fields:
@@ -70,7 +72,9 @@ def test_every_token_comes_back_once_in_its_place(case):
     prompt = case["prompts"][0]
     responses = [len(t) - prompt for t in case["tokens"][: len(case["groups"][0])]]
     plain = sum(len(t) for t in case["tokens"][len(responses) :])
-    assert row.computed_tokens == prompt + sum(responses) + len(responses) - 1 + plain
+    assert row.computed_tokens == prompt + sum(responses) + plain  # the prompt once, each response once
+    extras = len(responses) - 1  # the prompt's last token's targets past the first response's
+    assert len(row.extra_rows) == extras and row.labels.shape[1] == row.batch.total_tokens + extras
     assert row.separate_tokens == sum(len(t) for t in case["tokens"])
 
 

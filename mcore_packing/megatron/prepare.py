@@ -60,6 +60,7 @@ class PreparedMicroBatch:
     # (its index in ``sample_ids``), -1 at pad tokens; built for MoE models (router statistics, balance loss)
     sequence_lengths: torch.Tensor | None = None  # the real lengths on the device (MoE: the balance loss)
     shared: SharedPrefixRow | None = None  # a shared-prefix row: ``packed`` holds its segments, this the samples
+    extra_rows: torch.Tensor | None = None  # a shared-prefix row's extra targets: the row positions they score
 
     @property
     def padding_mask(self) -> torch.Tensor | None:
@@ -104,7 +105,7 @@ def prepare_micro_batch(
 
 
 _TENSOR_FIELDS = ("tokens", "position_ids", "labels", "loss_mask", "weights", "full_loss_mask", "segments",
-                  "sequence_lengths")  # fmt: skip
+                  "sequence_lengths", "extra_rows")  # fmt: skip
 
 
 def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_token_id, segments):
@@ -142,9 +143,19 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_to
     fields = dict(packed=batch, sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths, thd=thd, local=local,
                   local_valid_tokens=int(local.loss_mask.sum().item()))  # fmt: skip
     if shared is not None:  # the samples are not the row's sequences: each is its context and its segment
-        fields.update(shared=shared, sample_ids=shared.sample_ids,
-                      real_lengths=tuple(len(s.tokens) for s in chosen))  # fmt: skip
+        _shared_fields(shared, chosen, host, fields, weighted=totals is not None)
     return host, fields
+
+
+def _shared_fields(shared: SharedPrefixRow, chosen, host: dict, fields: dict, *, weighted: bool) -> None:
+    """A shared-prefix row's targets (the row's and the extra ones) and its samples (one CP rank)."""
+    if weighted:
+        raise ValueError("a shared-prefix row has no per-token loss weights: use a loss on the unpacked view.")
+    mask = shared.loss_mask
+    extra = torch.tensor(shared.extra_rows, dtype=torch.long) if shared.extra_rows else None
+    host.update(labels=shared.labels, loss_mask=mask, full_loss_mask=mask[0], extra_rows=extra)
+    fields.update(shared=shared, sample_ids=shared.sample_ids, real_lengths=tuple(len(s.tokens) for s in chosen),
+                  local_valid_tokens=int(mask.sum().item()))  # fmt: skip
 
 
 def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, pad_token_id, segments):

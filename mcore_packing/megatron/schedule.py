@@ -45,7 +45,7 @@ from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
 from .router_loss import attached_router_loss
-from .shared_prefix import attach_shared_prefix, shared_prefix_of
+from .shared_prefix import attach_shared_prefix, score_extra_rows, shared_prefix_of
 from .step_loss import StepLoss, TokenMeanNLL, entropy_for, micro_batch_share
 
 __all__ = ["StepResult", "compute_logprobs", "forward_backward"]
@@ -233,10 +233,11 @@ def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = Tr
                                           prep.sequence_lengths)  # fmt: skip
         if prep.shared is not None and shared_prefix_of(prep.packed_seq_params) is None:  # once per micro-batch
             attach_shared_prefix(prep.packed_seq_params, prep.shared, _rotary(model_chunk), prep.tokens.device)
-        output = model_chunk(
-            prep.tokens, prep.position_ids, None, labels=prep.labels if labels else None,
-            packed_seq_params=prep.packed_seq_params, **extra
-        )
+        with score_extra_rows(model_chunk, prep.extra_rows if labels else None):  # a shared prompt's last token
+            output = model_chunk(
+                prep.tokens, prep.position_ids, None, labels=prep.labels if labels else None,
+                packed_seq_params=prep.packed_seq_params, **extra
+            )
         return output, partial(loss_func, prep)
 
     return forward_step

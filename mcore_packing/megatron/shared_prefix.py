@@ -16,10 +16,18 @@ between a query rotated by ``m`` and a key rotated by ``n`` depends on ``m - n``
 ``R(a) R(b) = R(a + b)``), so the member's scores among its own tokens are unchanged, and the context's
 keys rotated once more by ``-shift`` have the distance to every member query that the whole sequence
 gives them. Values carry no rotation.
+
+`score_extra_rows`: the prompt's last token predicts every member's first token, so its logits are
+scored once per member: the output layer's logits of those row positions (``SharedPrefixRow.extra_rows``)
+are appended after the row's, and the labels the model gets (``SharedPrefixRow.labels``) have an entry
+for each. The output layer sees the whole row there (Megatron gathers a sequence-parallel row before it),
+so this holds at TP + SP, and the hook runs before the others on that layer (the sampling temperature,
+the entropy), which then see every target.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -28,7 +36,7 @@ import torch
 from ..compat import require_megatron
 from ..thd.shared_prefix import SharedPrefixRow
 
-__all__ = ["KeyPlan", "SharedPrefixAttention", "attach_shared_prefix", "shared_prefix_of"]
+__all__ = ["KeyPlan", "SharedPrefixAttention", "attach_shared_prefix", "score_extra_rows", "shared_prefix_of"]
 
 _ATTR = "_mcore_packing_shared_prefix"
 
@@ -141,3 +149,26 @@ def shared_prefix_of(params) -> SharedPrefixAttention | None:
 def _position_embedding(rotary, position: int) -> torch.Tensor:
     """RoPE's embedding of the single position ``position`` from Megatron's ``RotaryEmbedding``."""
     return rotary.get_emb(1, offset=position)
+
+
+@contextlib.contextmanager
+def score_extra_rows(model_chunk, rows: torch.Tensor | None):
+    """Within the block, the logits of ``model_chunk``'s output layer (on the last stage) are followed by
+    those of the row positions ``rows`` (``[E]`` int64 on the logits' device; None or empty: unchanged), so
+    Megatron's loss with labels of ``T + E`` entries scores them a second time (see the module docstring)."""
+    if rows is None or rows.numel() == 0:
+        yield
+        return
+    from .temperature import output_layers
+
+    def append(_module, _inputs, output):
+        logits = output[0] if isinstance(output, tuple) else output  # [s, b, vocab / tp], the whole row
+        logits = torch.cat([logits, logits.index_select(0, rows)])
+        return (logits, *output[1:]) if isinstance(output, tuple) else logits
+
+    handles = [layer.register_forward_hook(append, prepend=True) for layer in output_layers(model_chunk)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

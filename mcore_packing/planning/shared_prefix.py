@@ -1,19 +1,20 @@
 """What a shared-prefix layout (`thd.shared_prefix`) costs the planner: tokens and attention per group.
 
-A group of G responses to a prompt of P tokens is laid out as one context segment of ``P - 1`` tokens and
-G member segments of ``R_i + 1`` tokens (each response with its own copy of the prompt's last token, which
-predicts the response's first token). Each segment is padded as a THD sequence is (`PaddingRule.
-padded_length`), so the group's span in a row is ``pad(P - 1) + sum(pad(R_i + 1))`` instead of
-``sum(pad(P + R_i))``. Under dynamic batching a shared group is one THD row among the BSHD ones (a
-micro-batch holding one is laid out as a THD row, `StepPlan.is_thd`).
+A group of G responses of R_i tokens to a prompt of P tokens is laid out as one context segment (the
+prompt) and G member segments (the responses); the prompt's last token predicts every response's first
+token (one extra target per member after the first, scored by the output layer and computed by no layer
+before it). Each segment is padded as a THD sequence is (`PaddingRule.padded_length`), so the group's span
+in a row is ``pad(P) + sum(pad(R_i))`` instead of ``sum(pad(P + R_i))``, and its tokens ``P + sum(R_i)``.
+Under dynamic batching a shared group is one THD row among the BSHD ones (a micro-batch holding one is
+laid out as a THD row, `StepPlan.is_thd`).
 
-Attention: the context attends causally to itself, ``sequence_cost(c)`` for ``c = P - 1``; a member of ``q``
+Attention: the context attends causally to itself, ``sequence_cost(c)`` for ``c = P``; a member of ``q``
 tokens attends to the context and causally to itself, which is the work of the last ``q`` queries of a
 sequence of ``c + q`` tokens: ``sequence_cost(c + q) - sequence_cost(c)`` (the per-sequence constant
 counted once per segment). The planner sees the group as one unit of that many tokens and that cost:
 the first member carries the context's share, so sums over any unit are right.
 
-A group shares when it has two or more members, a prompt of two or more tokens and its shared span fits
+A group shares when it has two or more members, a prompt of one or more tokens and its shared span fits
 one micro-batch; otherwise its members are planned as separate sequences (``fallback_groups``: too big
 for one micro-batch even shared). numpy only.
 """
@@ -116,10 +117,10 @@ def shared_prefix_layout(
                 f"group {g!r}: sample {short[0]} has {int(lengths[short[0]])} tokens, no response after its prompt of "
                 f"{prompt}; a sample's length counts its prompt and its response."
             )
-        if len(group) < 2 or prompt < 2:
+        if len(group) < 2 or prompt < 1:
             units += [[i] for i in group]
             continue
-        context = prompt - 1
+        context = prompt
         own = lengths[group] - context
         own_spans = span_of(own)
         context_span = int(span_of(context))

@@ -20,8 +20,7 @@ class GRPOConfig:
     group (`losses.ClippedPGConfig`). Every pass scores the responses at ``temperature`` (the logits
     divided by it, `megatron.logits_temperature`). With ``shared_prefix`` every pass lays a group out as
     its prompt once and its responses after it (`thd.shared_prefix`; packing or dynamic batching, cp=1, the
-    built-in attention, dense models), exact, computing ``P + sum(R) + G - 1`` tokens instead of
-    ``G P + sum(R)``.
+    built-in attention, dense models), exact, computing ``P + sum(R)`` tokens instead of ``G P + sum(R)``.
     A plain (not frozen) dataclass: Hydra fills it."""
 
     rollouts: str | None = None  # JSONL: prompt_tokens, response_tokens, reward, group_id[, generation_logprobs]

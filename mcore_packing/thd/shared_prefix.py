@@ -1,32 +1,37 @@
 """Shared-prefix THD rows: a group of sequences that begin with the same prompt, the prompt laid out once.
 
 In GRPO every prompt comes with G sampled responses. Packed as G sequences, the prompt is computed G
-times in every forward and backward. Here a group becomes one *context* segment and G *member* segments:
+times in every forward and backward. Here a group becomes one *context* segment (the prompt) and G
+*member* segments (the responses):
 
     sequences             [p0 p1 p2 p3 a0 a1]  [p0 p1 p2 p3 b0 b1 b2]        (prompt of P = 4 tokens)
-    segments              [p0 p1 p2] | [p3 a0 a1] | [p3 b0 b1 b2]            context, member 1, member 2
-    position_ids          0 1 2      | 3 4 5      | 3 4 5 6                   each token's place in its sequence
-    labels                p1 p2 p3   | a0 a1 -    | b0 b1 b2 -
-    attention             causal     | context + causal over itself (never another member)
+    segments              [p0 p1 p2 p3] | [a0 a1] | [b0 b1 b2]               context, member 1, member 2
+    position_ids          0 1 2 3       | 4 5     | 4 5 6                     each token's place in its sequence
+    labels                p1 p2 p3 a0   | a1 -    | b1 b2 -      + b0         (one extra target, after the row)
+    attention             causal        | context + causal over itself (never another member)
 
-The context is the prompt less its last token: that token is the one whose output predicts each
-response's first token, a different label per member, so each member carries its own copy of it (one
-token per member, computed as the G separate sequences compute it). A group of G responses to a prompt
-of P tokens thus computes ``P + sum(R_i) + G - 1`` tokens instead of ``G * P + sum(R_i)``.
+A group of G responses of R_i tokens to a prompt of P tokens computes ``P + sum(R_i)`` tokens instead of
+``G * P + sum(R_i)``. The prompt's last token predicts each response's first token: one hidden state, G
+targets. The row's own label slot holds the first member's; the others are *extra targets* after the
+row's ``T`` positions (``extra_rows``: the row position each one scores, ``labels`` and ``loss_mask``:
+the row's followed by the extras'). The output layer scores those positions again
+(`megatron.shared_prefix.score_extra_rows` appends their logits), so the per-token losses have
+``T + len(extra_rows)`` entries; the transformer computes none of them twice.
 
 The segments are the row's THD "sequences" (``cu_seqlens`` over segments, padded by the `PaddingRule` as
 any sequence); `SharedPrefixRow` says which context each member attends to, and each sequence's values
 come back in their original places (`SharedPrefixRow.sample_rows`): a sample's per-token outputs are its
-context's followed by its member segment's, so a loss over them, and its gradient, is the loss over G
-separate sequences (the context's outputs are shared: their gradients sum over the members, as the G
-copies' would). The prompt's targets must be out of the loss (loss mask 0 on prompt tokens 1..P-1, as RL
-rollouts have it), because a per-token weighted loss on the row would count a shared target once.
+context's (the last one its own target's) followed by its member segment's, so a loss over them, and its
+gradient, is the loss over G separate sequences (the context's outputs are shared: their gradients sum
+over the members, as the G copies' would). The prompt's targets must be out of the loss (loss mask 0 on
+prompt tokens 1..P-1, as RL rollouts have it), because a per-token weighted loss on the row would count a
+shared target once.
 
 Attention (`megatron.attention.PackedCoreAttention`) gives a member's queries the context's keys and
 values followed by its own, causal aligned bottom-right. Megatron's THD RoPE restarts positions at every
-segment, so a member's own tokens are at positions ``0..`` instead of ``P - 1..``; RoPE's scores depend
+segment, so a member's own tokens are at positions ``0..`` instead of ``P..``; RoPE's scores depend
 only on the distance between query and key, so the member-to-member part is unchanged and the context's
-keys, rotated back by ``P - 1`` positions, give the member-to-context part its true distances
+keys, rotated back by ``P`` positions, give the member-to-context part its true distances
 (`SharedPrefixRow.key_shifts`).
 
 torch only; no megatron-core import.
@@ -55,7 +60,10 @@ class SharedPrefixRow:
     ``context_of[j]``: the segment whose keys segment ``j`` attends to before its own (-1: none; a context
     or a sample laid out alone). ``key_shifts[j]``: the positions by which the context's keys are rotated
     back for segment ``j`` (its first token's position in its sequence; 0 without a context).
-    ``sample_ids[k]`` is the ``k``-th sample's id, ``sample_segments[k]`` its (context, own) segments.
+    ``sample_ids[k]`` is the ``k``-th sample's id, ``sample_segments[k]`` its (context, own) segments and
+    ``sample_slots[k]`` the scored slot of its prompt's last token (-1 without a context): a row position,
+    or ``T + e`` for the ``e``-th extra target. ``extra_rows[e]``: the row position that extra target
+    scores; ``extra_labels`` and ``extra_loss_mask`` its label and loss mask.
     """
 
     batch: PackedBatch
@@ -63,6 +71,10 @@ class SharedPrefixRow:
     key_shifts: tuple[int, ...]
     sample_ids: tuple[int, ...]
     sample_segments: tuple[tuple[int, int], ...]
+    sample_slots: tuple[int, ...]
+    extra_rows: tuple[int, ...] = ()
+    extra_labels: tuple[int, ...] = ()
+    extra_loss_mask: tuple[float, ...] = ()
 
     @property
     def computed_tokens(self) -> int:
@@ -75,16 +87,36 @@ class SharedPrefixRow:
         lengths = self.batch.seq_lengths
         return sum((lengths[c] if c >= 0 else 0) + lengths[own] for c, own in self.sample_segments)
 
+    @property
+    def labels(self) -> torch.Tensor:
+        """``[1, T + extras]``: the row's labels followed by the extra targets'."""
+        extra = torch.tensor(self.extra_labels, dtype=self.batch.labels.dtype)
+        return torch.cat([self.batch.labels, extra[None]], dim=1)
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``[1, T + extras]``: the row's loss mask followed by the extra targets'."""
+        extra = torch.tensor(self.extra_loss_mask, dtype=self.batch.loss_mask.dtype)
+        return torch.cat([self.batch.loss_mask, extra[None]], dim=1)
+
     def sample_rows(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Per-token values of the whole row (``[T, ...]``) as each sample's values in its original token
-        order (``[n_k, ...]``, sample order), differentiably: a context's values appear in each member's."""
+        """Per-token values of the row as each sample's values in its original token order (``[n_k, ...]``,
+        sample order), differentiably: a context's values appear in each member's. ``flat``: per scored
+        slot (``[T + extras, ...]``: per-token losses, the scored loss mask) or per row position (``[T, ...]``:
+        tokens, positions, logits; a prompt's last token then gives every member the same value)."""
+        total, extras = self.batch.total_tokens, len(self.extra_rows)
+        if flat.shape[0] == total and extras:
+            flat = torch.cat([flat, flat[list(self.extra_rows)]])
+        elif flat.shape[0] != total + extras:
+            raise ValueError(f"{flat.shape[0]} values for a row of {total} positions and {extras} extra targets.")
         starts = self.batch.cu_seqlens_padded.tolist()
         lengths = self.batch.seq_lengths
         rows = []
-        for context, own in self.sample_segments:
+        for (context, own), slot in zip(self.sample_segments, self.sample_slots, strict=True):
             mine = flat[starts[own] : starts[own] + lengths[own]]
             if context >= 0:
-                mine = torch.cat([flat[starts[context] : starts[context] + lengths[context]], mine])
+                first = starts[context]
+                mine = torch.cat([flat[first : first + lengths[context] - 1], flat[slot : slot + 1], mine])
             rows.append(mine)
         return rows
 
@@ -112,7 +144,7 @@ def build_shared_prefix_row(
     """Lay out ``samples`` (one micro-batch) with each of ``groups`` (lists of indices into ``samples``,
     together covering each index once, in row order) sharing its first ``prompt_lengths[g]`` tokens.
 
-    A group of one, or a prompt of one token, is laid out as plain sequences (nothing to share). Raises a
+    A group of one, or a prompt of no tokens, is laid out as plain sequences (nothing to share). Raises a
     ValueError naming the group when its members do not all begin with the same ``prompt_lengths[g]``
     tokens, when a member has no token after the prompt, or when a prompt target is in the loss.
     ``rule``, ``pad_to`` and ``pad_token_id`` as in `build_packed_batch` (the rule pads each segment).
@@ -131,16 +163,17 @@ def build_shared_prefix_row(
     segments: list[SequenceSample] = []
     context_of: list[int] = []
     shifts: list[int] = []
-    fix_labels: list[tuple[int, int, float]] = []  # (context segment, label token, its mask)
+    targets: list[tuple[int, int, float]] = []  # per sample: (context segment or -1, first response token, mask)
     order: list[int] = []
     sample_segments: list[tuple[int, int]] = []
     for g, (group, prompt) in enumerate(zip(groups, prompt_lengths, strict=True)):
         members = [samples[i] for i in group]
         prompt = int(prompt)
-        if len(members) < 2 or prompt < 2:
+        if len(members) < 2 or prompt < 1:
             for i, sample in zip(group, members, strict=True):
                 order.append(i)
                 sample_segments.append((-1, len(segments)))
+                targets.append((-1, 0, 0.0))
                 segments.append(sample)
                 context_of.append(-1)
                 shifts.append(0)
@@ -148,26 +181,45 @@ def build_shared_prefix_row(
         tokens, masks = _checked_samples(members, tuple(ids[i] for i in group))
         _check_group(g, [ids[i] for i in group], tokens, masks, prompt)
         context = len(segments)
-        segments.append(SequenceSample(tokens[0][: prompt - 1], masks[0][: prompt - 1]))
+        segments.append(SequenceSample(tokens[0][:prompt], masks[0][:prompt]))
         context_of.append(-1)
         shifts.append(0)
-        fix_labels.append((context, int(tokens[0][prompt - 1]), float(masks[0][prompt - 1])))
         for i, t, m in zip(group, tokens, masks, strict=True):
             order.append(i)
             sample_segments.append((context, len(segments)))
-            segments.append(SequenceSample(t[prompt - 1 :], m[prompt - 1 :]))
+            targets.append((context, int(t[prompt]), float(m[prompt])))
+            segments.append(SequenceSample(t[prompt:], m[prompt:]))
             context_of.append(context)
-            shifts.append(prompt - 1)
+            shifts.append(prompt)
     batch = build_packed_batch(segments, rule, pad_to=pad_to, pad_token_id=pad_token_id)
-    batch = _with_sequence_positions(batch, shifts)
+    return _with_targets(batch, targets, sample_ids=tuple(ids[i] for i in order), context_of=tuple(context_of),
+                         key_shifts=tuple(shifts), sample_segments=tuple(sample_segments))  # fmt: skip
+
+
+def _with_targets(batch: PackedBatch, targets, **fields) -> SharedPrefixRow:
+    """The row with its positions counted in each sequence and each member's first response token as the
+    target of its prompt's last token: the first member's in the row's label slot, the rest extra targets."""
+    batch = _with_sequence_positions(batch, fields["key_shifts"])
     starts = batch.cu_seqlens_padded.tolist()
-    for context, label, mask in fix_labels:  # the context's last token predicts the prompt's last token
+    slots, extra_rows, extra_labels, extra_mask = [], [], [], []
+    labelled = set()
+    for context, label, mask in targets:
+        if context < 0:
+            slots.append(-1)
+            continue
         last = starts[context] + batch.seq_lengths[context] - 1
-        batch.labels[0, last] = label
-        batch.loss_mask[0, last] = mask
-    return SharedPrefixRow(batch=batch, context_of=tuple(context_of), key_shifts=tuple(shifts),
-                           sample_ids=tuple(ids[i] for i in order),
-                           sample_segments=tuple(sample_segments))  # fmt: skip
+        if context not in labelled:
+            labelled.add(context)
+            batch.labels[0, last] = label
+            batch.loss_mask[0, last] = mask
+            slots.append(last)
+            continue
+        slots.append(batch.total_tokens + len(extra_rows))
+        extra_rows.append(last)
+        extra_labels.append(label)
+        extra_mask.append(mask)
+    return SharedPrefixRow(batch=batch, sample_slots=tuple(slots), extra_rows=tuple(extra_rows),
+                           extra_labels=tuple(extra_labels), extra_loss_mask=tuple(extra_mask), **fields)  # fmt: skip
 
 
 def _check_group(g: int, ids: list[int], tokens: list[torch.Tensor], masks: list[torch.Tensor], prompt: int) -> None:
