@@ -391,6 +391,7 @@ def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=
     from mcore_packing.megatron import (
         PerGroup,
         ProcessGroups,
+        chunk_logprobs,
         compute_logprobs,
         cpu_device_adapter,
         forward_backward,
@@ -429,6 +430,8 @@ def step_worker(rank, world_size, configs, samples, state_dict, logprob_samples=
                 ddp = wrap_chunks_in_ddp(config, [module for module, _ in chunks])
             else:
                 ddp = wrap_in_ddp(config, chunks[0][0])
+            if cfg.get("logprob_chunk_size"):  # the output layer and the loss a chunk of tokens at a time
+                chunk_logprobs(ddp, cfg["logprob_chunk_size"])
             plan_config = StepPlanConfig(
                 mode=cfg.get("mode", "packing"),
                 train_mb_tokens=cfg.get("train_mb_tokens", 96),
@@ -621,7 +624,7 @@ def pg_reference_loss(logps, samples, *, ratio_clip_min, ratio_clip_max, ratio_c
                       policy_loss_mode="vanilla", sequence_level_importance_ratios=False,
                       truncated_importance_sampling_ratio=None, truncated_importance_sampling_ratio_min=None,
                       truncated_importance_sampling_type="tis", entropy_coeff=0.0, calculate_entropy=False,
-                      logprob_chunk_size=None, entropies=None):  # fmt: skip
+                      entropy_chunk_size=None, entropies=None):  # fmt: skip
     """The policy-gradient loss over the whole batch in plain torch, written independently of
     mcore_packing: ``logps[i]`` are sample i's next-token log-probs (a tensor), the rest are the samples'
     fields (``group`` is the prompt of prompt-mean); ``entropies[i]``: sample i's per-position entropy

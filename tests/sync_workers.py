@@ -54,7 +54,7 @@ def _cases(policy, reference, layout):
     pg = ClippedPGConfig(reference_policy_kl_penalty=0.05, ratio_clip_c=3.0, use_importance_sampling_correction=True,
                          truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=2.0,
                          truncated_importance_sampling_ratio_min=0.5, loss_agg_mode="seq-mean-token-sum-norm",
-                         loss_agg_norm_constant=32.0, entropy_coeff=0.01, logprob_chunk_size=16)  # fmt: skip
+                         loss_agg_norm_constant=32.0, entropy_coeff=0.01, entropy_chunk_size=16)  # fmt: skip
     cases = []
     for mode in ("packing", "dynamic"):
         config = StepPlanConfig(mode=mode, train_mb_tokens=96, logprob_mb_tokens=128, layout=layout)

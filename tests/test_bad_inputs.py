@@ -59,6 +59,9 @@ CASES = {
         ["train", "--dry-run", "model.fp8_recipe=e4m3"],
         "model.fp8_recipe='e4m3' is not one of ['blockwise', 'delayed', 'mxfp8', 'tensorwise']",
     ),
+    "logprob chunks of no tokens": (
+        ["train", "--dry-run", "model.logprob_chunk_size=0"], "model.logprob_chunk_size must be an integer >= 1"
+    ),
     "training with an FP8 recipe": (["train", "model.fp8_recipe=blockwise"], "this trainer does not run FP8 yet"),
     "fixed shapes with variable sequence lengths": (
         ["train", "--dry-run", "sequence_packing.fixed_shape=true", "parallel.variable_seq_lengths=true"],

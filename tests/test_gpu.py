@@ -132,6 +132,44 @@ def packed_vs_per_sequence(device, dtype, backend: str, moe: bool = False) -> di
     }
 
 
+def test_log_probs_in_chunks_lower_the_peak_by_the_rows_fp32_logits(single_rank):
+    """#41: a bf16 GPTModel's forward with labels and backward on a packed row of 4096 tokens and a 32k
+    vocabulary, with whole logits and in chunks of 512 tokens (`chunk_logprobs`): the same per-token losses
+    (bf16 tolerance), and the allocator's peak lower by at least the row's fp32 logits (T x V x 4 bytes;
+    the whole path also holds the bf16 logits and the softmax's temporaries)."""
+    from mcore_packing.megatron import build_gpt_model, chunk_logprobs, to_packed_seq_params
+    from mcore_packing.planning import ModelShape
+
+    shape = ModelShape(num_layers=1, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
+                       vocab_size=32768, max_sequence_length=4096, normalization="RMSNorm", gated_mlp=True)  # fmt: skip
+    model, _ = build_gpt_model(shape, dtype="bfloat16", attention_backend="local", device="cuda")
+    g = torch.Generator().manual_seed(41)
+    batch = build_packed_batch([SequenceSample(torch.randint(0, shape.vocab_size, (n,), generator=g))
+                                for n in (2048, 1024, 1024)], PaddingRule())  # fmt: skip
+    params = to_packed_seq_params(batch, device="cuda")
+    tokens, positions, labels = (t.cuda() for t in (batch.tokens, batch.position_ids, batch.labels))
+
+    def run():
+        model.zero_grad_buffer()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        loss = model.module(tokens, positions, None, labels=labels, packed_seq_params=params)
+        loss.float().mean().backward()
+        torch.cuda.synchronize()
+        return loss.detach().float(), torch.cuda.max_memory_allocated() - base
+
+    whole, whole_peak = run()
+    with chunk_logprobs(model, 512):
+        chunked, chunked_peak = run()
+    predicted = batch.total_tokens * shape.vocab_size * 4
+    mib = 2**20
+    print(f"peak (forward, backward): whole {whole_peak / mib:.0f} MiB, in chunks of 512 {chunked_peak / mib:.0f} MiB, "
+          f"lower by {(whole_peak - chunked_peak) / mib:.0f} MiB (at least {predicted / mib:.0f} MiB predicted)")
+    assert float((chunked - whole).abs().max() / whole.abs().max()) < BF16_RTOL
+    assert whole_peak - chunked_peak >= predicted
+
+
 @pytest.mark.parametrize("dtype, backend", [("float32", "local"), ("bfloat16", "local"), ("bfloat16", "te")])
 def test_packed_gpt_matches_per_sequence_on_the_gpu(single_rank, dtype, backend):
     """fp32 runs SDPA per sequence (FlashAttention has no fp32), bf16 the varlen kernel or TE's."""

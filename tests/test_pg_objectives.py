@@ -31,7 +31,7 @@ IS = {"use_importance_sampling_correction": True}
 CASES = {
     "token-mean, TIS, KL k3, entropy bonus": {
         **CLIP, **IS, "truncated_importance_sampling_ratio": 1.1, "reference_policy_kl_penalty": 0.05,
-        "entropy_coeff": 0.01, "logprob_chunk_size": 7},
+        "entropy_coeff": 0.01, "entropy_chunk_size": 7},
     "seq-mean-token-sum, ICEPOP": {
         **CLIP, **IS, "loss_agg_mode": "seq-mean-token-sum", "truncated_importance_sampling_type": "icepop",
         "truncated_importance_sampling_ratio_min": 0.8, "truncated_importance_sampling_ratio": 1.25},
@@ -44,7 +44,7 @@ CASES = {
         **CLIP, **IS, "loss_agg_mode": "seq-mean-token-mean", "policy_loss_mode": "cispo",
         "truncated_importance_sampling_type": "seq-mask-tis", "truncated_importance_sampling_ratio_min": 0.9,
         "truncated_importance_sampling_ratio": 1.1, "reference_policy_kl_penalty": 0.05, "kl_estimator": "k1",
-        "entropy_coeff": 0.005, "logprob_chunk_size": 5},
+        "entropy_coeff": 0.005, "entropy_chunk_size": 5},
     "prompt-mean, dual clip, TIS": {
         **CLIP, **IS, "loss_agg_mode": "prompt-mean", "ratio_clip_c": 3.0, "truncated_importance_sampling_ratio": 1.5},
     "prompt-mean, GSPO (policy_loss_mode)": {
@@ -149,18 +149,24 @@ SHARED = [{**_config(name, 0.7), "shared_prefix": True} for name in NAMES]
 # dynamic batching: at this budget some groups share a THD row, the rest fall back to BSHD rows of their own
 SHARED_DYNAMIC = [{**_config(NAMES[1], 1.0, mode="dynamic", train_mb_tokens=40), "shared_prefix": True}]
 SHARED_CONTROLS = [{**SHARED[0], "negative": kind} for kind in ("shared_prefix_unrotated", "shared_prefix_crossed")]
+# #41: the output layer and the loss a few tokens at a time (model.logprob_chunk_size), each beside the same
+# step computed whole: packed (temperature, entropy bonus), dynamic (BSHD rows), a shared prompt (extra targets)
+CHUNKED = [(_config(NAMES[0], 0.7), 7), (_config(NAMES[3], 0.7, mode="dynamic"), 16), (SHARED[2], 5),
+           (LOGPROBS[0], 6)]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def one_rank(reference):
     """Every 1-rank step of the module in one spawn: the cases, the smaller budget, the controls, the
     sampled responses' log-probs, the shared prompts (#40) and their controls."""
-    configs = ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS + SHARED + SHARED_DYNAMIC + SHARED_CONTROLS
+    chunked = [{**cfg, "logprob_chunk_size": size} for cfg, size in CHUNKED]
+    configs = (ONE_RANK + HALF_BUDGET + [c for _, c in CONTROLS] + LOGPROBS + SHARED + SHARED_DYNAMIC + SHARED_CONTROLS
+               + chunked)  # fmt: skip
     results = _run(reference, 1, configs)
     parts, start = {}, 0
     for name, configs in (("main", ONE_RANK), ("half", HALF_BUDGET), ("controls", CONTROLS), ("sampled", LOGPROBS),
                           ("shared", SHARED), ("shared_dynamic", SHARED_DYNAMIC),
-                          ("shared_controls", SHARED_CONTROLS)):  # fmt: skip
+                          ("shared_controls", SHARED_CONTROLS), ("chunked", chunked)):  # fmt: skip
         parts[name], start = results[start : start + len(configs)], start + len(configs)
     return parts
 
@@ -230,12 +236,39 @@ def test_every_objective_with_a_shared_prompt_at_one_rank(reference, one_rank):
         assert grad_error > 1e-2
 
 
+def _largest_change(a, b) -> float:
+    return float((a - b).abs().max())
+
+
+def test_log_probs_in_chunks_equal_them_computed_whole(reference, one_rank):
+    """model.logprob_chunk_size (#41): the loss, gradients and entropy of a step, and a log-prob pass, with
+    the output layer and the cross-entropy a few tokens at a time equal the same step with whole logits
+    (<= 1e-6): packed at T=0.7 with the entropy bonus, dynamically batched (BSHD rows), a shared prompt's
+    extra targets, the log-prob pass."""
+    done = one_rank["main"] + one_rank["sampled"] + one_rank["shared"]
+    worst = [0.0, 0.0, 0.0]
+    for (whole_cfg, size), result in zip(CHUNKED, one_rank["chunked"], strict=True):
+        whole = next(r for r in done if r["config"] == whole_cfg)
+        if whole_cfg.get("logprobs"):
+            change = _largest_change(result["logprobs"], whole["logprobs"])
+            worst[2] = max(worst[2], change)
+            assert change <= 1e-6, (size, change)
+            continue
+        loss_change = abs(result["loss"] - whole["loss"]) / abs(whole["loss"])
+        grad_change = max(grad_errors(result["grads"], whole["grads"]).values())
+        entropy_change = abs(result["entropy"] - whole["entropy"]) / whole["entropy"]
+        assert loss_change <= 1e-6 and grad_change <= 1e-6 and entropy_change <= 1e-6, (size, loss_change, grad_change)
+        worst = [max(worst[0], loss_change), max(worst[1], grad_change), worst[2]]
+    print(f"log-probs in chunks vs whole: loss {worst[0]:.1e}, gradients {worst[1]:.1e}, log-prob pass {worst[2]:.1e}")
+
+
 @pytest.mark.slow
 def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     """Each case on two of: DP2 x CP2, TP2 + SP (DP2), PP2 (DP2) packed, PP2 dynamic, TP2 x PP2, dynamic CP
     (CP4 packed, CP2 dynamic), alternating T=1 and 0.7; two cases also at DP4 against the 1-rank step
     (<= 1e-6); the T=0.7 samples' ratio is 1 within 1e-6 at CP2 and TP2; a shared prompt per group (#40) at
-    TP2 + SP, PP2 (dynamic batching) and PP2 x VPP2, each with DP2, equals the reference; the control: each
+    TP2 + SP, PP2 (dynamic batching) and PP2 x VPP2, each with DP2, equals the reference; log-probs in chunks
+    (#41) at TP2 + SP equal the reference and the whole log-prob pass (<= 1e-6); the control: each
     micro-batch divided by its own token count fails. ``MCORE_PACKING_PG_FULL_CROSS=1``: every case on every layout at
     both temperatures (84 steps instead of 12; not in CI's time budget), ``MCORE_PACKING_PG_LAYOUTS=0,3`` runs
     those layouts (indices into the list below) only."""
@@ -268,6 +301,10 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
                "shared_prefix": True},
               {**_config(NAMES[4], 1.0, pp=2, vpp=2), "shared_prefix": True}]  # fmt: skip (the interleaved schedule)
     configs += shared
+    # #41 at TP2 + SP: the loss's chunks through the sequence-parallel gather, the log-prob pass beside its whole one
+    chunked = [{**_config(NAMES[0], 0.7, tp=2, sp=True), "logprob_chunk_size": 7},
+               {**configs[count + 3], "logprob_chunk_size": 6}]  # fmt: skip
+    configs += chunked
     # Negative control: each micro-batch normalized by its own tokens, then micro-batches averaged.
     configs.append({**_config(NAMES[1], 1.0, cp=2), "negative_pg": "per_microbatch_normalization"})
     results = _run(reference, 4, configs)
@@ -292,6 +329,12 @@ def test_every_objective_on_dp_cp_tp_sp_pp_and_dynamic_cp(reference, one_rank):
     for result in results[count + 4 : count + 4 + len(shared)]:
         _check(result, reference, table)
     print("shared prompt:\n" + "\n".join(table))
+    start = count + 4 + len(shared)
+    table = []
+    _check(results[start], reference, table)
+    change = _largest_change(results[start + 1]["logprobs"], results[count + 3]["logprobs"])
+    print(f"log-probs in chunks at TP2 + SP:\n{table[0]}\nthe log-prob pass vs whole logits: {change:.1e}")
+    assert change <= 1e-6
     wrong = results[-1]
     ref = reference["by_case"][(NAMES[1], 1.0)]
     print(f"per-micro-batch normalization (control): loss {_errors(wrong, ref)[0]:.1e}")

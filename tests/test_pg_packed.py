@@ -124,7 +124,7 @@ def test_bad_pg_settings_name_the_key():
         ({**IS, "truncated_importance_sampling_ratio_min": 0.5}, "is read by the icepop and seq-mask-tis types only"),
         ({**IS, "truncated_importance_sampling_ratio": -1.0}, "must be a finite number > 0"),
         ({"entropy_coeff": -0.01}, r"entropy_coeff=-0\.01 must be a finite number >= 0"),
-        ({"logprob_chunk_size": 0}, "logprob_chunk_size must be an integer >= 1, got 0"),
+        ({"entropy_chunk_size": 0}, "entropy_chunk_size must be an integer >= 1, got 0"),
     ]  # fmt: skip
     for settings, message in bad:
         with pytest.raises(ValueError, match=message):

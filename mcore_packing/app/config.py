@@ -87,6 +87,7 @@ def _model_post_init(self):
         fp8_row_alignment(self.fp8_recipe)
     except ValueError as exc:
         raise ConfigError(f"model.{exc}", key="model.fp8_recipe") from None
+    _positive("model", self, "logprob_chunk_size", allow_none=True)  # tokens per chunk, or null: whole
     self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
 
@@ -113,8 +114,8 @@ def _shape(self, vocab_size: int) -> ModelShape:
 
 def _model_config_class() -> type:
     """``ModelConfig``: ``hf_path``, every `ModelShape` field (its defaults, except `MODEL_DEFAULTS`), and
-    how to run the model (``dtype``, ``attention_backend``). Generated from `ModelShape`'s fields, so a new
-    shape field (MoE experts, ...) is a Hydra key without a second declaration."""
+    how to run the model (``dtype``, ``attention_backend``, ``logprob_chunk_size``). Generated from
+    `ModelShape`'s fields, so a new shape field (MoE experts, ...) is a Hydra key without a second declaration."""
     shape_fields = []
     for f in dataclasses.fields(ModelShape):
         kind = "int | None" if f.name == "vocab_size" else f.type
@@ -130,13 +131,16 @@ def _model_config_class() -> type:
             # Megatron's fp8_recipe (tensorwise | delayed | mxfp8 | blockwise) or null: the row alignment the
             # planner pads each row's tail to (planning.FP8_ROW_ALIGNMENT); training with it is refused for now
             ("fp8_recipe", "str | None", field(default=None)),
+            # tokens per chunk of the output layer and the loss in every pass (no whole fp32 [T, V/TP] logits;
+            # NeMo-RL's logprob_chunk_size); null: the logits whole
+            ("logprob_chunk_size", "int | None", field(default=None)),
         ],
         namespace={
             "__post_init__": _model_post_init,
             "declared_shape": _declared_shape,
             "shape": _shape,
             "__doc__": "The ``model`` group: ``hf_path``, the `ModelShape` fields (see its docstring), ``dtype``, "
-            "``attention_backend`` and ``fp8_recipe``.",
+            "``attention_backend``, ``fp8_recipe`` and ``logprob_chunk_size``.",
         },
     )
     cls.__module__ = __name__  # its annotations are strings, resolved in this module (Hydra reads them)

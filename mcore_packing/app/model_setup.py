@@ -108,6 +108,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None, 
         dynamic_cp=cfg.context_parallel.dynamic,
         process_groups=process_groups,
         head=getattr(get_algorithm(cfg.algorithm), "HEAD", "lm"),
+        logprob_chunk_size=cfg.model.logprob_chunk_size,
     )
 
 

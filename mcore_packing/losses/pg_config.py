@@ -3,8 +3,10 @@ as the trainer's ``loss_fn`` config group).
 
 Key names: NeMo-RL's where NeMo-RL has the option (ratio_clip_*, reference_policy_kl_penalty,
 token_level_loss, use_importance_sampling_correction, truncated_importance_sampling_*,
-sequence_level_importance_ratios, logprob_chunk_size); verl's where only verl has it (loss_agg_mode,
-policy_loss_mode, entropy_coeff, calculate_entropy); ours otherwise (loss_agg_norm_constant, kl_estimator).
+sequence_level_importance_ratios); verl's where only verl has it (loss_agg_mode,
+policy_loss_mode, entropy_coeff, calculate_entropy); ours otherwise (loss_agg_norm_constant, kl_estimator,
+entropy_chunk_size). NeMo-RL's ``logprob_chunk_size`` is the model's (``model.logprob_chunk_size``: the
+output layer, the loss and the entropy a chunk of tokens at a time).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class ClippedPGConfig:
     truncated_importance_sampling_type: str = "tis"
     entropy_coeff: float = 0.0  # verl: > 0 subtracts entropy_coeff x the policy's exact token entropy (a bonus)
     calculate_entropy: bool = False  # verl: report the exact entropy (on whenever entropy_coeff > 0)
-    logprob_chunk_size: int = 1024  # NeMo-RL: tokens whose fp32 logits the entropy holds at once
+    entropy_chunk_size: int = 1024  # tokens whose fp32 logits the entropy holds at once (of whole logits)
 
     def __post_init__(self):
         for name in ("ratio_clip_min", "ratio_clip_max", "reference_policy_kl_penalty"):
@@ -81,7 +83,7 @@ class ClippedPGConfig:
             raise InvalidValue(message, key="ratio_clip_c")
         require_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         _number("entropy_coeff", self.entropy_coeff, at_least=0)
-        require_positive_int("logprob_chunk_size", self.logprob_chunk_size)
+        require_positive_int("entropy_chunk_size", self.entropy_chunk_size)
         self._check_aggregation()
         self._check_policy_loss()
         self._check_importance_sampling()

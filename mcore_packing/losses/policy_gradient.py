@@ -99,7 +99,7 @@ class ClippedPGLoss(MetricSums):
 
     @property
     def entropy_chunk_tokens(self) -> int:
-        return self.config.logprob_chunk_size
+        return self.config.entropy_chunk_size
 
     def __call__(self, sample_id: int, logprobs: torch.Tensor, mask: torch.Tensor,
                  entropy: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip

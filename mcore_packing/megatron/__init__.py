@@ -24,7 +24,10 @@ Importing this package imports megatron-core; the packing and planning layers do
 - `prepare`: this rank's `PreparedMicroBatch`es, and `per_sample_logprobs` back from the output.
 - `step_loss`: the loss protocol: `TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`;
   `policy_step_loss` (a policy loss as its aggregation asks).
+- `output_layer`: `output_layers` and `DeferredLogits`, the last stage's output layer as its hooks see it.
 - `temperature`: `logits_temperature`, log-probs at the sampling temperature.
+- `chunked_logprobs`: `chunk_logprobs`, the output layer and the cross-entropy a chunk of tokens at a time
+  (no whole fp32 ``[T, V/TP]`` logits; ``model.logprob_chunk_size``).
 - `reward_head`: `RewardHead`, a reward model's score head in place of the output layer (``head="reward"``).
 - `entropy`: `vocab_parallel_entropy` / `capture_entropy`, the policy's exact token entropy, chunked.
 - `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
@@ -39,6 +42,7 @@ quiet_megatron_imports()  # before the first megatron-core import below
 
 from ._patches.cpu_device import CpuDeviceAdapter, cpu_device_adapter
 from .attention import PackedCoreAttention
+from .chunked_logprobs import chunk_logprobs
 from .layer_spec import (
     LocalLayerNorm,
     LocalRMSNorm,
@@ -90,6 +94,7 @@ __all__ = [
     "build_gpt_model",
     "build_policy",
     "check_te_contract",
+    "chunk_logprobs",
     "compute_logprobs",
     "cpu_device_adapter",
     "forward_backward",

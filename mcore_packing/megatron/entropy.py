@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
+from functools import partial
 
 import torch
 
@@ -91,12 +92,16 @@ class EntropyCapture:
 def capture_entropy(model, group=None, chunk_tokens: int = 1024):
     """Within the block, every forward of ``model``'s output layers (the last stage's chunks) queues the
     per-token entropy of its logits on the yielded `EntropyCapture`. ``group``: the TP group."""
-    from .temperature import output_layers
+    from .output_layer import DeferredLogits, output_layers
 
     capture = EntropyCapture()
 
     def hook(module, _inputs, output):
         logits = output[0] if isinstance(output, tuple) else output
+        if isinstance(logits, DeferredLogits):  # chunked log-probs: each chunk's entropy, queued whole
+            chunked = logits.with_entropy(capture, partial(vocab_parallel_entropy, group=group,
+                                                           chunk_tokens=chunk_tokens))  # fmt: skip
+            return (chunked, *output[1:]) if isinstance(output, tuple) else chunked
         capture.push(vocab_parallel_entropy(logits, group, chunk_tokens).transpose(0, 1))  # [s, b] -> [b, s]
         config = getattr(module, "config", None)
         if logits.dtype == torch.float32 or getattr(config, "cross_entropy_loss_fusion", False):

@@ -62,6 +62,7 @@ def build_policy(
     dynamic_cp: bool = False,
     process_groups: ProcessGroups | None = None,
     head: str = "lm",
+    logprob_chunk_size: int | None = None,
 ) -> Policy:
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
     weights of ``hf_path`` (this rank's slices), else the seeded initialization (`seeded_init`: a
@@ -72,7 +73,10 @@ def build_policy(
     collective, every rank builds the policy). ``process_groups``: the groups of a policy built before on
     the same layout (a reference passes its policy's): reused, dynamic-CP sub-groups included, so a run
     makes one set of communicators. ``head="reward"``: a reward model (`reward_head`; from ``hf_path``
-    its ``score.weight`` when the folder has one, else the seeded head on the checkpoint's body)."""
+    its ``score.weight`` when the folder has one, else the seeded head on the checkpoint's body).
+    ``logprob_chunk_size``: the output layer and the loss that many tokens at a time in every pass
+    (`chunked_logprobs.chunk_logprobs`; None: whole logits)."""
+    from .chunked_logprobs import chunk_logprobs
     from .hf_weights import load_hf_weights
     from .model import build_gpt_chunks
     from .process_groups import group_rank
@@ -104,6 +108,8 @@ def build_policy(
         ranks = dict(tp_rank=group_rank(process_groups.tp), tp_size=layout.tp, ep_rank=group_rank(process_groups.ep),
                      ep_size=layout.ep)  # fmt: skip
         info["tensors_read"] = sum(load_hf_weights(chunk, shape, hf_path, **ranks)["tensors_read"] for chunk in chunks)
+    if logprob_chunk_size is not None:
+        chunk_logprobs(model, logprob_chunk_size)
     built, scheduler = (None, None) if optimizer is None else optimizer(model)
     if optimizer is None:
         for chunk in chunks:

@@ -159,11 +159,14 @@ def score_extra_rows(model_chunk, rows: torch.Tensor | None):
     if rows is None or rows.numel() == 0:
         yield
         return
-    from .temperature import output_layers
+    from .output_layer import DeferredLogits, output_layers
 
     def append(_module, _inputs, output):
         logits = output[0] if isinstance(output, tuple) else output  # [s, b, vocab / tp], the whole row
-        logits = torch.cat([logits, logits.index_select(0, rows)])
+        if isinstance(logits, DeferredLogits):  # chunked log-probs: the rows' hidden states, scored later
+            logits = logits.with_rows(rows)
+        else:
+            logits = torch.cat([logits, logits.index_select(0, rows)])
         return (logits, *output[1:]) if isinstance(output, tuple) else logits
 
     handles = [layer.register_forward_hook(append, prepend=True) for layer in output_layers(model_chunk)]

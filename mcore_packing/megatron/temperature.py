@@ -19,21 +19,9 @@ from __future__ import annotations
 import contextlib
 import math
 
+from .output_layer import DeferredLogits, output_layers
+
 __all__ = ["logits_temperature"]
-
-
-def output_layers(model) -> list:
-    """The output layers of ``model``'s chunks (unwrapped from DDP and friends) that compute logits."""
-    chunks = model if isinstance(model, (list, tuple)) else [model]
-    layers = []
-    for chunk in chunks:
-        inner = chunk
-        while hasattr(inner, "module") and not hasattr(inner, "output_layer"):  # DDP, Float16Module
-            inner = inner.module
-        layer = getattr(inner, "output_layer", None)
-        if layer is not None and getattr(inner, "post_process", True):
-            layers.append(layer)
-    return layers
 
 
 @contextlib.contextmanager
@@ -50,9 +38,9 @@ def logits_temperature(model, temperature: float):
     scale = 1.0 / temperature
 
     def divide(_module, _inputs, output):
-        if isinstance(output, tuple):
-            return (output[0] * scale, *output[1:])
-        return output * scale
+        logits = output[0] if isinstance(output, tuple) else output
+        logits = logits.scaled(scale) if isinstance(logits, DeferredLogits) else logits * scale
+        return (logits, *output[1:]) if isinstance(output, tuple) else logits
 
     handles = [layer.register_forward_hook(divide) for layer in output_layers(model)]
     try:
