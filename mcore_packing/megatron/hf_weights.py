@@ -193,7 +193,7 @@ def load_hf_weights(
     DDP-wrapped); with expert parallelism only this rank's experts are read. Every parameter must be found
     with the expected shape, else a ValueError names the tensor. Returns ``{"tensors_read": n,
     "bytes_read": b}``."""
-    from .model import padded_vocab_size
+    from ..planning.model_shape import padded_vocab_size
 
     module = getattr(model, "module", model)
     hf = HFTensors(folder)

@@ -14,7 +14,7 @@ import torch
 
 from ..compat import require_megatron
 from ..planning.layout import SINGLE_RANK, ParallelLayout
-from ..planning.model_shape import ModelShape
+from ..planning.model_shape import ModelShape, padded_vocab_size
 
 __all__ = [
     "INIT_MODES",
@@ -176,11 +176,6 @@ def _experts_apart(model) -> None:
         if getattr(module, "is_expert", False):
             for param in module.parameters(recurse=False):
                 param.allreduce = False
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    """The vocabulary rounded up to a multiple of TP (each TP rank holds an equal slice of it)."""
-    return -(-vocab_size // tp) * tp
 
 
 def _mask_padded_vocab(output_layer, vocab_size: int, tp: int, tp_rank: int) -> None:

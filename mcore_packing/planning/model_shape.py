@@ -19,6 +19,7 @@ __all__ = [
     "NORMALIZATIONS",
     "ModelShape",
     "check_balance_loss",
+    "padded_vocab_size",
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -240,3 +241,8 @@ class ModelShape:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of TP (each TP rank holds an equal slice of it)."""
+    return -(-vocab_size // tp) * tp

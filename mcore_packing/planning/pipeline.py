@@ -36,6 +36,7 @@ __all__ = [
     "interleaved_table",
     "pipeline_lower_bound",
     "simulate_1f1b",
+    "stage_operations",
 ]
 
 
@@ -62,6 +63,15 @@ def interleaved_table(num_microbatches: int, vpp: int, group: int) -> list[tuple
         last = num_microbatches if first + group >= num_microbatches else first + group
         table += [(i, v) for v in range(vpp) for i in range(first, last)]
     return table
+
+
+def stage_operations(stage: int, pp: int, m: int, *, vpp: int = 1, group: int | None = None):
+    """The operations pipeline stage ``stage`` runs for ``m`` micro-batches, in order: ``(kind, i, v)``
+    with ``kind`` "F" (forward) or "B" (backward) of micro-batch ``i`` (its index in the rank's list)
+    through model chunk ``v``, as Megatron's plain (``vpp=1``) or interleaved schedule runs them."""
+    if vpp == 1:
+        return _plain_ops(stage, pp, m)
+    return _interleaved_ops(stage, pp, m, vpp, group or pp)
 
 
 def _plain_ops(stage: int, pp: int, m: int) -> list[tuple[str, int, int]]:

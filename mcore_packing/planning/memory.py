@@ -1,0 +1,224 @@
+"""Predicted memory per rank: the static terms, each micro-batch's activations, and each pipeline stage's
+peak over the schedule in the planner's order. numpy only; bytes throughout.
+
+Static (per rank): the parameters this rank holds (its stage's layers, TP slices; norms and row-parallel
+biases whole; the embedding on the first stage, the output layer on the last, padded to a multiple of
+TP), their gradients (Megatron DDP's buffer, ``grad_bytes`` each), and the optimizer state (Adam: two fp32
+moments; SGD: one; plus fp32 master weights when the parameters are 16-bit), divided over the DP ranks
+with the distributed optimizer.
+
+Activations: the bytes autograd saves in a micro-batch's forward and frees in its backward, per term,
+for Megatron's local layer spec with the built-in attention (the layouts `PackedCoreAttention` runs;
+every term was read from the real model on the CPU and is checked there, `tests/test_memory_model.py`).
+With ``n`` tokens on this rank (``T / cp``, and ``/ tp`` for what sequence parallelism shards), width
+``h``, ``e`` bytes per element, per layer:
+
+- the two norms: input and output (``2 h e``, RMSNorm also its normalized input) and fp32 statistics;
+- the linear layers' inputs: QKV and FC1 ``h e`` (sharded under SP), the projection ``q / tp`` and FC2
+  ``f / tp`` (whole tokens);
+- RoPE: its cos and sin for queries and keys, ``4 r e`` per position;
+- the MLP's activation: FC1's output and its activation's (``5 f / tp`` SwiGLU, ``2 f / tp`` GELU);
+- the attention kernel's buffers (``attention``): ``sdpa-math`` (the CPU's SDPA, and any math fallback:
+  queries, keys and values at every query head and the ``[heads, q, k]`` probabilities of each piece a
+  query span attends to), ``flash`` (FlashAttention / torch's varlen: queries, keys, values at their own
+  head counts, the output and fp32 log-sum-exp) or ``te-fused`` (TE's fused attention, assumed to save
+  what flash saves: stated, not measured here). Under CP each sequence's two chunks attend to the keys up
+  to their end (the local backend gathers them), plus the gather's int64 index (one per micro-batch).
+
+The first stage adds the token ids (int64; a bool mask at TP > 1); the last the final norm, the output
+layer's input and the loss: Megatron's cross-entropy keeps an fp32 ``[T, V/TP]`` softmax (plus 9 bytes
+per token), the exact entropy keeps the logits once more; with ``logprob_chunk_size`` neither exists
+whole (the chunks keep the output layer's whole input). Not in these terms: the pipeline's stage outputs
+(one ``[n, h]`` per micro-batch in flight, which the schedule holds, not autograd), the allocator's
+fragmentation and the kernels' workspaces (a GPU measures them: the GPU check).
+
+A stage's peak: its static bytes plus the largest sum, over the schedule's operations
+(`pipeline.stage_operations`, plain or interleaved, in the planner's order), of the activations of the
+(micro-batch, chunk) pairs whose forward has run and whose backward has not.
+
+Not modeled yet (refused): recomputation, MoE layers, MTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..validators import require_choice, require_positive_int
+from .layout import ParallelLayout
+from .model_shape import ModelShape, padded_vocab_size
+from .pipeline import stage_operations
+
+__all__ = ["ATTENTION_KERNELS", "MemorySettings", "MicroBatchTokens", "activation_bytes", "stage_peak", "static_bytes"]
+
+ATTENTION_KERNELS = ("sdpa-math", "flash", "te-fused")
+STAT_BYTES = 4  # norms keep their statistics in fp32
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings:
+    """How the run holds its tensors. ``dtype_bytes``: parameters and activations (2: bf16/fp16);
+    ``grad_bytes``: the DDP gradient buffer's element (4: grad_reduce_in_fp32); ``optimizer``: adam | sgd;
+    ``attention``: one of `ATTENTION_KERNELS`; ``logprob_chunk_size``: tokens per chunk of the output layer
+    and the loss (None: whole logits); ``entropy``: the exact entropy is computed (an RL loss's bonus or
+    metric)."""
+
+    dtype_bytes: int = 2
+    grad_bytes: int = 4
+    optimizer: str = "adam"
+    distributed_optimizer: bool = False
+    attention: str = "flash"
+    logprob_chunk_size: int | None = None
+    entropy: bool = False
+    recompute: str = "none"
+
+    def __post_init__(self):
+        require_choice("dtype_bytes", self.dtype_bytes, (2, 4))
+        require_choice("grad_bytes", self.grad_bytes, (2, 4))
+        require_choice("optimizer", self.optimizer, ("adam", "sgd"))
+        require_choice("attention", self.attention, ATTENTION_KERNELS)
+        require_positive_int("logprob_chunk_size", self.logprob_chunk_size, allow_none=True)
+        if self.recompute != "none":
+            raise ValueError(f"recompute={self.recompute!r}: the memory model covers recompute='none' only so far.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MicroBatchTokens:
+    """A micro-batch as the memory model sees it: ``rows`` x ``width`` tokens (a THD row: 1 x its padded
+    total), each sequence's real length (``lengths``) and, in a THD row, its padded span (``spans``)."""
+
+    thd: bool
+    lengths: tuple[int, ...]
+    rows: int
+    width: int
+    spans: tuple[int, ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.rows * self.width
+
+
+def static_bytes(shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, *, stage: int = 0) -> dict:
+    """``{"params", "grads", "optimizer"}``: bytes on a rank of pipeline stage ``stage``."""
+    _check_shape(shape)
+    count = stage_parameters(shape, layout, stage)
+    states = 2 if settings.optimizer == "adam" else 1
+    master = 1 if settings.dtype_bytes < 4 else 0
+    optimizer = count * 4 * (states + master)
+    if settings.distributed_optimizer:
+        optimizer /= layout.dp * layout.cp
+    return {"params": count * settings.dtype_bytes, "grads": count * settings.grad_bytes, "optimizer": optimizer}
+
+
+def stage_parameters(shape: ModelShape, layout: ParallelLayout, stage: int) -> int:
+    """Parameters a TP rank of pipeline stage ``stage`` holds (all its model chunks)."""
+    tp, h, hd = layout.tp, shape.hidden_size, shape.head_size
+    q, kv, f = shape.num_attention_heads * hd, shape.kv_heads * hd, shape.ffn_size
+    norm = h if shape.normalization == "RMSNorm" else 2 * h
+    split = h * (q + 2 * kv) + q * h + (3 if shape.gated_mlp else 2) * h * f  # column / row parallel weights
+    split += (q + 2 * kv) if shape.qkv_bias or shape.linear_bias else 0
+    split += (2 if shape.gated_mlp else 1) * f if shape.linear_bias else 0
+    whole = 2 * norm + (2 * h if shape.linear_bias else 0) + (2 * hd if shape.qk_norm else 0)
+    layers = _layers_per_chunk(shape, layout) * layout.vpp
+    count = layers * (split // tp + whole)
+    vocab = padded_vocab_size(shape.vocab_size, tp) * h // tp
+    if stage == 0:
+        count += vocab
+    if stage == layout.pp - 1:
+        count += norm + (vocab if not shape.tie_embeddings or layout.pp > 1 else 0)
+    return count
+
+
+def activation_bytes(
+    shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, mb: MicroBatchTokens, *,
+    stage: int = 0, chunk: int = 0, cp_rank: int = 0,
+) -> dict:  # fmt: skip
+    """The bytes a micro-batch's forward saves for its backward on a rank of ``stage`` (model chunk
+    ``chunk``; CP rank ``cp_rank``), per term (see the module docstring)."""
+    _check_shape(shape)
+    e, tp, cp, h = settings.dtype_bytes, layout.tp, layout.cp, shape.hidden_size
+    tokens = mb.total // cp
+    sharded = tokens // tp if layout.sequence_parallel else tokens
+    layers = _layers_per_chunk(shape, layout)
+    norm = sharded * ((2 if shape.normalization == "RMSNorm" else 1) * h * e
+                      + (1 if shape.normalization == "RMSNorm" else 2) * STAT_BYTES)  # fmt: skip
+    q_width = shape.num_attention_heads * shape.head_size // tp
+    f = shape.ffn_size // tp
+    rope_positions = tokens if mb.thd else mb.width // cp
+    per_layer = {
+        "norms": 2 * norm,
+        "linear_inputs": 2 * sharded * h * e + tokens * (q_width + f) * e,
+        "rope": 4 * rope_positions * shape.head_size * e,
+        "mlp_activation": tokens * f * e * (4 if shape.gated_mlp else 1),
+        "attention": _attention_bytes(shape, layout, settings, mb, cp_rank),
+    }
+    terms = {name: layers * value for name, value in per_layer.items()}
+    if cp > 1 and mb.thd and settings.attention != "te-fused":
+        terms["attention"] += 8 * mb.total  # the local backend's key/value gather index, one per micro-batch
+    first = stage == 0 and chunk == 0
+    last = stage == layout.pp - 1 and chunk == layout.vpp - 1
+    terms["embedding"] = tokens * (8 + (1 if tp > 1 else 0)) if first else 0
+    terms["logits"] = _logits_bytes(shape, layout, settings, tokens, sharded, norm) if last else 0
+    return terms
+
+
+def _attention_bytes(shape, layout, settings, mb: MicroBatchTokens, cp_rank: int) -> float:
+    """One layer's attention kernel buffers on this rank (see the module docstring)."""
+    e, tp, cp, d = settings.dtype_bytes, layout.tp, layout.cp, shape.head_size
+    heads, kv_heads = shape.num_attention_heads // tp, max(1, shape.kv_heads // tp)
+    if mb.thd:
+        spans = mb.lengths if cp == 1 else mb.spans  # one CP rank attends over real lengths; CP over spans
+    else:
+        spans = [mb.width] * mb.rows
+    total = 0.0
+    for s in spans:
+        for q, k in _pieces(s, cp, cp_rank):
+            if settings.attention == "sdpa-math":
+                total += heads * e * (q * d + 2 * k * d + q * k)
+            else:  # flash / TE: queries, output, keys and values at their own heads, fp32 log-sum-exp
+                total += 2 * q * heads * d * e + 2 * k * kv_heads * d * e + q * heads * 4
+    return total
+
+
+def _pieces(span: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
+    """(queries, keys) of each part of a sequence of ``span`` tokens this CP rank attends for: the whole
+    causal span without CP; chunks ``r`` and ``2cp - 1 - r`` over the keys up to their ends with it."""
+    if cp == 1:
+        return [(span, span)]
+    c = span // (2 * cp)
+    return [(c, (j + 1) * c) for j in (cp_rank, 2 * cp - 1 - cp_rank)]
+
+
+def _logits_bytes(shape, layout, settings, tokens: int, sharded: int, norm: float) -> float:
+    """The last chunk's final norm, output-layer input and loss buffers."""
+    e, h = settings.dtype_bytes, shape.hidden_size
+    vocab = padded_vocab_size(shape.vocab_size, layout.tp) // layout.tp
+    if settings.logprob_chunk_size is not None:  # the chunks keep the output layer's gathered input only
+        return norm + tokens * h * e
+    loss = tokens * (vocab * 4 + 9)  # Megatron's cross-entropy: fp32 softmax, target mask and ids
+    entropy = tokens * vocab * e if settings.entropy else 0
+    return norm + sharded * h * e + loss + entropy
+
+
+def stage_peak(per_micro_batch: Sequence[Sequence[float]], layout: ParallelLayout, stage: int) -> float:
+    """The largest activation total a rank of ``stage`` holds over Megatron's schedule: ``per_micro_batch
+    [i][v]`` is micro-batch ``i``'s (in the rank's order) activations in model chunk ``v``."""
+    m = len(per_micro_batch)
+    live = peak = 0.0
+    group = layout.microbatch_group_size_per_vp_stage
+    for kind, i, v in stage_operations(stage, layout.pp, m, vpp=layout.vpp, group=group):
+        live += per_micro_batch[i][v] if kind == "F" else -per_micro_batch[i][v]
+        peak = max(peak, live)
+    return peak
+
+
+def _layers_per_chunk(shape: ModelShape, layout: ParallelLayout) -> int:
+    chunks = layout.pp * layout.vpp
+    if shape.num_layers % chunks:
+        raise ValueError(f"{shape.num_layers} layers do not split evenly over pp x vpp = {chunks} model chunks.")
+    return shape.num_layers // chunks
+
+
+def _check_shape(shape: ModelShape) -> None:
+    if shape.is_moe:
+        raise ValueError("the memory model does not cover Mixture-of-Experts layers yet (model.num_experts is set).")

@@ -1,0 +1,143 @@
+"""Inside spawned gloo ranks: what the real Megatron model keeps for the backward, measured on the CPU.
+
+Method: every tensor autograd saves during a forward passes a saved-tensor hook; the hook records its
+storage (by address, bytes once per storage; parameters excluded) in a holder that the graph keeps, and
+the holder's release (when autograd frees the graph, after the backward) returns the bytes. The live total
+over a step, and its peak, are the activations the step holds. Static terms: the parameters' bytes, the
+DDP gradient buffers' and the optimizer state's after one step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SavedBytes:
+    """Bytes autograd holds for the backward, live and at their peak, while `hooks()` is active."""
+
+    def __init__(self, exclude: set):
+        self.exclude = exclude
+        self.refs: dict = {}
+        self.sizes: dict = {}
+        self.live = 0
+        self.peak = 0
+        self.log: list = []
+
+    def hooks(self):
+        meter = self
+
+        class Held:
+            __slots__ = ("key", "tensor")
+
+            def __init__(self, tensor):
+                self.tensor = tensor
+                storage = tensor.untyped_storage()
+                self.key = storage.data_ptr()
+                if self.key in meter.exclude:
+                    self.key = None
+                    return
+                if meter.refs.get(self.key, 0) == 0:
+                    meter.sizes[self.key] = storage.nbytes()
+                    meter.live += storage.nbytes()
+                    meter.peak = max(meter.peak, meter.live)
+                    meter.log.append((tuple(tensor.shape), str(tensor.dtype), storage.nbytes()))
+                meter.refs[self.key] = meter.refs.get(self.key, 0) + 1
+
+            def __del__(self):
+                if self.key is None:
+                    return
+                meter.refs[self.key] -= 1
+                if meter.refs[self.key] == 0:
+                    meter.live -= meter.sizes.pop(self.key)
+
+        return torch.autograd.graph.saved_tensors_hooks(Held, lambda held: held.tensor)
+
+
+def _shape(**overrides):
+    from mcore_packing.planning import ModelShape
+
+    fields = dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
+                  vocab_size=250, max_sequence_length=2048, normalization="RMSNorm", gated_mlp=True, linear_bias=False)
+    return ModelShape(**{**fields, **overrides})
+
+
+def _tokens(plan, mb):
+    """The memory model's view of a planned micro-batch."""
+    from mcore_packing.planning.memory import MicroBatchTokens
+
+    lengths = tuple(plan.lengths[i] for i in mb.sample_indices)
+    rows, width = mb.shape
+    spans = tuple(int(n) for n in plan.config.padded_lengths(list(lengths))) if plan.is_thd(mb) else ()
+    return MicroBatchTokens(thd=plan.is_thd(mb), lengths=lengths, rows=rows, width=width, spans=spans)
+
+
+def _static(model, optimizer) -> dict:
+    """Measured static bytes: parameters, the DDP gradient buffers, the optimizer's state tensors."""
+    state = [t for per in optimizer.optimizer.state.values() for k, t in per.items()
+             if torch.is_tensor(t) and k != "step"]  # fmt: skip
+    return {"params": sum(p.nbytes for p in model.parameters()),
+            "grads": sum(b.grad_data.nbytes for b in model.buffers),
+            "optimizer": sum(t.nbytes for t in state)}  # fmt: skip
+
+
+def memory_worker(rank, world_size, layouts, batches, shape=None):
+    """For each layout (``ParallelLayout`` fields; DP fills the world) and batch (``(mode, lengths)``):
+    measured and predicted bytes. Without PP each of this rank's micro-batches' forward alone (what it
+    saves); with PP the whole step through Megatron's schedule (the stage's peak of live saved bytes).
+    Then the static terms after one optimizer step. Rows: (layout, mode, what, measured, predicted)."""
+    from mcore_packing.megatron import (
+        ProcessGroups,
+        build_gpt_model,
+        cpu_device_adapter,
+        forward_backward,
+        initialize_parallel,
+        prepare_micro_batch,
+    )
+    from mcore_packing.megatron.optimizer import build_optimizer
+    from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
+    from mcore_packing.planning.memory import MemorySettings, activation_bytes, stage_peak, static_bytes
+    from mcore_packing.thd import SequenceSample
+
+    shape = _shape(**(shape or {}))
+    settings = MemorySettings(dtype_bytes=4, grad_bytes=4, attention="sdpa-math")
+    rows = []
+    for fields in layouts:
+        parts = fields.get("tp", 1) * fields.get("cp", 1) * fields.get("pp", 1)
+        layout = ParallelLayout(**fields, dp=world_size // parts)
+        initialize_parallel(layout)
+        pgs = ProcessGroups.from_megatron()
+        stage = pgs.pp_rank
+        with cpu_device_adapter():
+            model, _ = build_gpt_model(shape, layout, dtype=torch.float32, attention_backend="local", device="cpu",
+                                       variable_seq_lengths=True)  # fmt: skip
+            optimizer = build_optimizer(model, lr=1e-3)
+            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            for mode, lengths in batches:
+                g = torch.Generator().manual_seed(sum(lengths))
+                samples = [SequenceSample(torch.randint(0, shape.vocab_size, (n,), generator=g)) for n in lengths]
+                plan = plan_step(lengths, StepPlanConfig(mode=mode, train_mb_tokens=max(256, max(lengths)),
+                                                         layout=layout))  # fmt: skip
+                mine = plan.for_rank(pgs.dp_rank)
+                predict = [activation_bytes(shape, layout, settings, _tokens(plan, mb), stage=stage,
+                                            cp_rank=pgs.cp_rank) for mb in mine]  # fmt: skip
+                if layout.pp == 1:
+                    for mb, terms in zip(mine, predict, strict=True):
+                        prep = prepare_micro_batch(mb, samples, plan, pgs, totals=None, normalization=None,
+                                                   device="cpu")  # fmt: skip
+                        meter = SavedBytes(params)
+                        with meter.hooks():
+                            loss = model.module(prep.tokens, prep.position_ids, None, labels=prep.labels,
+                                                packed_seq_params=prep.packed_seq_params)  # fmt: skip
+                        rows.append((fields, mode, "activations", meter.peak, sum(terms.values())))
+                        del loss
+                else:
+                    meter = SavedBytes(params)
+                    model.zero_grad_buffer()
+                    with meter.hooks():
+                        forward_backward(model, samples, plan, pgs, device="cpu")
+                    peak = stage_peak([[sum(t.values())] for t in predict], layout, stage)
+                    rows.append((fields, mode, f"stage {stage} peak ({len(mine)} micro-batches)", meter.peak, peak))
+            optimizer.step()
+            measured, predicted = _static(model, optimizer), static_bytes(shape, layout, settings, stage=stage)
+            rows += [(fields, "-", name, measured[name], predicted[name]) for name in measured]
+    return rows

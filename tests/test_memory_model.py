@@ -1,0 +1,56 @@
+"""The memory model (#41, `planning.memory`) against the real Megatron model on the CPU.
+
+Two gloo ranks run a tiny GPTModel (fp32, the local spec with the built-in attention: its CPU kernel is
+SDPA's math path, `sdpa-math`) at DP2 (each rank alone), TP2 + SP, CP2 and PP2. Measured
+(`tests.memory_workers`): the bytes autograd saves in each micro-batch's forward (a saved-tensor hook that
+counts each storage once while the graph holds it, parameters excluded); under PP the peak of those live
+bytes over the whole step through Megatron's 1F1B schedule; the parameters', the DDP gradient buffers' and
+the optimizer state's bytes after one step. Predicted: `activation_bytes` per micro-batch from its
+lengths, `stage_peak` over the planner's order, `static_bytes`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from .distributed_harness import run_distributed
+
+LAYOUTS = [{}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2}]
+
+
+def _batches() -> list:
+    """Zipf-like lengths, packed and dynamically batched."""
+    rng = np.random.default_rng(41)
+    batches = []
+    for k in range(4):
+        lengths = np.minimum(rng.zipf(1.6, 10) * 9 + rng.integers(2, 9, 10), 200).tolist()
+        batches.append(("packing" if k % 2 == 0 else "dynamic", [int(n) for n in lengths]))
+    return batches
+
+
+@pytest.fixture(scope="module")
+def rows():
+    ranks = run_distributed("tests.memory_workers:memory_worker", 2, layouts=LAYOUTS, batches=_batches())
+    return [row for per_rank in ranks for row in per_rank]
+
+
+@pytest.mark.multirank
+def test_predicted_memory_is_within_the_measured_bounds(rows):
+    """Activations within 10% of the measurement (each micro-batch; each stage's peak), the static terms
+    within 5%, over at least 20 micro-batches."""
+    table = []
+    worst = {"activations": 0.0, "static": 0.0}
+    count = 0
+    for layout, mode, what, measured, predicted in rows:
+        error = abs(predicted - measured) / measured
+        kind = "static" if mode == "-" else "activations"
+        worst[kind] = max(worst[kind], error)
+        count += kind == "activations"
+        table.append(f"| {layout or 'DP2'} | {mode} | {what} | {measured:,} | {predicted:,.0f} | {error:.1%} |")
+        assert error <= (0.05 if kind == "static" else 0.10), table[-1]
+    print("| layout | batching | term | measured B | predicted B | error |\n|---|---|---|---|---|---|")
+    print("\n".join(table))
+    print(f"{count} activation measurements: worst {worst['activations']:.1%}; static terms: worst "
+          f"{worst['static']:.1%}")  # fmt: skip
+    assert count >= 20
