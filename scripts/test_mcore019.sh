@@ -2,7 +2,8 @@
 # The megatron-core 0.19.2 lane: the tests that touch Megatron's API (schedules and their CUDA call sites,
 # context parallelism, the interleaved schedule, HF import, the optimizer and dist_checkpointing, the DPO and
 # policy-gradient steps with the output-layer hooks of temperature and entropy, log-probs in chunks (the output
-# layer's forward and the model's loss replaced), a reward model's head and its
+# layer's forward and the model's loss replaced), the memory model against what the model saves, a reward
+# model's head and its
 # checkpoint, the version-pinned patches), in the second environment
 # (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh); the checkpoint folder's
 # own logic (a killed save, a truncated checkpoint) runs there only.
@@ -25,6 +26,7 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   "tests/test_pg_packed.py::test_single_rank_packed_and_dynamic_pg_equal_unpacked" \
   "tests/test_pg_objectives.py::test_every_objective_at_one_rank_packed_dynamic_and_half_budget" \
   "tests/test_pg_objectives.py::test_log_probs_in_chunks_equal_them_computed_whole" tests/test_chunked_logprobs.py \
+  tests/test_memory_model.py \
   "tests/test_rm.py::test_the_train_command_trains_a_reward_model_and_refuses_dpos_bad_pairs" \
   "tests/test_hf_conversion.py::test_each_family_imports_with_hf_logits" \
   "tests/test_hf_conversion.py::test_tp2_pp2_together" \

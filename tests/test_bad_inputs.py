@@ -62,6 +62,18 @@ CASES = {
     "logprob chunks of no tokens": (
         ["train", "--dry-run", "model.logprob_chunk_size=0"], "model.logprob_chunk_size must be an integer >= 1"
     ),
+    "a memory budget the first batch exceeds": (
+        ["train", "--dry-run", "sequence_packing.memory_budget=200MiB"],
+        "the largest budget that fits is sequence_packing.train_mb_tokens=",
+    ),
+    "a memory budget the longest sequence alone exceeds": (
+        ["train", "--dry-run", "sequence_packing.memory_budget=60MiB"],
+        "the longest sequence (1548 tokens) alone needs",
+    ),
+    "a memory budget that is not a size": (
+        ["train", "--dry-run", "dynamic_batching.memory_budget=lots"],
+        "dynamic_batching.memory_budget='lots' is not a size",
+    ),
     "training with an FP8 recipe": (["train", "model.fp8_recipe=blockwise"], "this trainer does not run FP8 yet"),
     "fixed shapes with variable sequence lengths": (
         ["train", "--dry-run", "sequence_packing.fixed_shape=true", "parallel.variable_seq_lengths=true"],

@@ -247,3 +247,40 @@ def test_no_figure_unless_asked_and_heads_must_split_over_tp(tmp_path, capsys, m
     from mcore_packing.app.plan_command import build_parser
 
     assert "mcore_packing.app.recipes: llama32_1b_sft_single_gpu" in " ".join(build_parser().format_help().split())
+
+
+def test_memory_budget_prints_stage_peaks_and_the_largest_budget_that_fits(tmp_path, capsys):
+    """plan --memory-budget (#41): each pipeline stage's predicted peak at the run's budget, and the
+    largest train_mb_tokens whose plans stay under the budget (re-planned there, the peak is under it and
+    64 tokens more is over it); a budget the longest sequence alone exceeds exits 2 naming it and the fix."""
+    import dataclasses
+
+    from mcore_packing.app.config import plan_config
+    from mcore_packing.app.memory_settings import memory_settings
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.planning import ParallelLayout, plan_step
+    from mcore_packing.planning.memory_budget import plan_memory
+
+    lengths = tmp_path / "lengths.json"
+    values = [100, 3000, 20, 4000, 700, 650, 90, 10] * 8
+    lengths.write_text(json.dumps(values))
+    args = ["--json", "--no-recommend", "--lengths", str(lengths), "--global-batch-size", "16", "--recipe",
+            "llama3_8b_sft_packed", "--tp", "4", "--pp", "2", "--dp", "1"]  # fmt: skip
+    assert plan.main([*args, "--memory-budget", "40GiB"]) == 0
+    memory = json.loads(capsys.readouterr().out)["memory"]
+    assert [s["stage"] for s in memory["stages"]] == [0, 1] and memory["budget"] == 40 * 2**30
+    assert memory["stages"][0]["peak"] > memory["stages"][1]["peak"]  # stage 0 holds pp micro-batches in flight
+    fits = memory["largest_train_mb_tokens"]
+    assert max(s["peak"] for s in memory["largest_stages"]) <= 40 * 2**30
+    cfg = compose_config("llama3_8b_sft_packed", ["parallel.tp=4", "parallel.pp=2"])
+    shape = cfg.model.shape(cfg.data.vocab_size)
+    config = plan_config(cfg, ParallelLayout(tp=4, pp=2, sequence_parallel=True))
+    batches = [np.asarray(values[k : k + 16]) for k in range(0, len(values), 16)]
+    over = [plan_memory(plan_step(b, dataclasses.replace(config, train_mb_tokens=fits + 64)), shape,
+                        memory_settings(cfg)) for b in batches]  # fmt: skip
+    assert max(s["peak"] for stages in over for s in stages) > 40 * 2**30
+    assert plan.main([*args, "--memory-budget", "16GiB"]) == 2
+    err = capsys.readouterr().err
+    assert "the longest sequence (4000 tokens) alone needs" in err and "16.00 GiB" in err
+    assert plan.main([*args, "--memory-budget", "lots"]) == 2
+    assert "--memory-budget='lots' is not a size" in capsys.readouterr().err

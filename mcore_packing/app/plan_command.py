@@ -51,6 +51,7 @@ from ..planning import (
     recommend_budget,
     summarize,
 )
+from ..planning.memory import format_bytes
 from ..planning.report import summarize_dynamic_cp
 from ..planning.shared_prefix import SharedPrefix
 from .config import ConfigError, TrainConfig, budget_key, check_shape_on_layout, plan_config, validate_layout
@@ -224,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", choices=MODES, help="packing | dynamic | padded (default: the config's)")
     p.add_argument("--mb-tokens", "--capacity", dest="mb_tokens", type=int,
                    help="train_mb_tokens of the active section: tokens per GPU per micro-batch")  # fmt: skip
+    p.add_argument("--memory-budget", help="memory_budget of the active section: bytes per GPU (e.g. 72GiB); "
+                   "prints each stage's predicted peak and the largest train_mb_tokens that fits")  # fmt: skip
     p.add_argument("--algorithm", help="sequence_packing.algorithm")
     p.add_argument(
         "--refine",
@@ -307,6 +310,10 @@ def _overrides(args, user: list[str], given: dict[str, str]) -> list[str]:
         for key in ("sequence_packing.train_mb_tokens", "dynamic_batching.train_mb_tokens"):
             tail.append(f"{key}={args.mb_tokens}")
             given[key] = "--mb-tokens"
+    if args.memory_budget is not None:
+        for key in ("sequence_packing.memory_budget", "dynamic_batching.memory_budget"):
+            tail.append(f"{key}={json.dumps(args.memory_budget)}")
+            given[key] = "--memory-budget"
     return [*head, *user, *tail]
 
 
@@ -360,11 +367,25 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
         write_png(args.png, lengths, summary, config, source, dynamic)
     doc = _document(args, cfg, source, lengths, config, shape, summary, cuts)
     doc["dynamic_cp"] = dynamic
+    doc["memory"] = _memory(cfg, lengths, config, shape, gbs, sizes) if config.memory_budget is not None else None
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
         _print_text(doc)
     return 0
+
+
+def _memory(cfg: TrainConfig, lengths, config: StepPlanConfig, shape: ModelShape, gbs: int, sizes) -> dict:
+    """The predicted peak per pipeline stage and the largest token budget under ``memory_budget``
+    (`app.memory_settings`; the first global batches, planned without groups)."""
+    from ..planning.report import _cuts
+    from .memory_settings import memory_report, memory_settings
+
+    batches = [lengths[lo:hi] for lo, hi in _cuts(lengths.size, gbs, sizes)]
+    try:
+        return memory_report(batches, config, shape, memory_settings(cfg))
+    except ValueError as exc:
+        raise PlanInputError(f"memory_budget: {exc}") from None
 
 
 def _dynamic_cp(lengths, config: StepPlanConfig, gbs: int, sizes, groups) -> dict | None:
@@ -502,6 +523,25 @@ def _print_shared_prefix(shared: dict | None) -> None:
     )
 
 
+def _print_shared_prefix_and_memory(shared: dict | None, memory: dict | None) -> None:
+    _print_shared_prefix(shared)
+    _print_memory(memory)
+
+
+def _print_memory(memory: dict | None) -> None:
+    """The memory lines (``--memory-budget`` / ``memory_budget``); nothing without a budget."""
+    if memory is None:
+        return
+
+    def peaks(stages):
+        return ", ".join(f"stage {d['stage']} {format_bytes(d['peak'])} (static {format_bytes(d['static'])} + "
+                         f"activations {format_bytes(d['activations'])})" for d in stages)  # fmt: skip
+
+    print(f"  predicted peak per GPU at train_mb_tokens={memory['train_mb_tokens']}: {peaks(memory['stages'])}")
+    print(f"  largest train_mb_tokens under the memory budget of {format_bytes(memory['budget'])}: "
+          f"{memory['largest_train_mb_tokens']} ({peaks(memory['largest_stages'])})")  # fmt: skip
+
+
 def _print_text(doc: dict) -> None:
     s, c, L = doc["summary"], doc["config"], doc["length"]
     print(f"source: {doc['source']}")
@@ -536,7 +576,7 @@ def _print_text(doc: dict) -> None:
         f"{s['compute_saved_with_attention']:.1%} (with attention; attention is "
         f"{s['attention_share_of_real_work']:.1%} of the real work for this model)"
     )
-    _print_shared_prefix(s.get("shared_prefix"))
+    _print_shared_prefix_and_memory(s.get("shared_prefix"), doc.get("memory"))
     print(
         f"  slowest DP rank / mean: tokens {s['rank_token_imbalance_mean']:.3f} (worst step "
         f"{s['rank_token_imbalance_worst']:.3f}), attention-aware cost {s['rank_cost_imbalance_mean']:.3f} "

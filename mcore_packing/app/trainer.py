@@ -43,6 +43,7 @@ from .config import (
     ConfigError,
     ModelConfig,
     TrainConfig,
+    budget_key,
     check_data_fits,
     check_shape_on_layout,
     plan_config,
@@ -132,6 +133,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     sampler = GlobalBatchSampler(data.num_units, batch_units, cfg.training.seed)  # a batch no larger than the data
     first_batch = data.sample_ids(sampler.next_batch())
     first_plan = _plan_first_batch(cfg, algorithm, data, lengths, step_config, layout, first_batch)
+    check_memory_budget(cfg, shape, step_config, first_plan, lengths, first_batch)
     return RunInputs(layout=layout, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
                      batch_units=batch_units, fingerprint=fingerprint, first_plan=first_plan,
                      first_batch=first_batch)  # fmt: skip
@@ -158,6 +160,40 @@ def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layou
         raise ConfigError(f"the first global batch ({samples} samples, set by {key}) cannot be planned on "
                           f"{layout.dp} data-parallel ranks: {exc}", key=key) from None  # fmt: skip
     return plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)
+
+
+def check_memory_budget(cfg: TrainConfig, shape: ModelShape, step_config, plan, lengths, batch_ids) -> None:
+    """With a ``memory_budget``, the first global batch's predicted peak per stage (`planning.memory`, the
+    settings of `app.memory_settings` on this machine's device) must stay under it: logged, else a
+    `ConfigError` before Megatron starts, naming the largest ``train_mb_tokens`` that fits (or, when the
+    longest sequence alone does not fit, what would make it fit)."""
+    budget = step_config.memory_budget
+    if budget is None:
+        return
+    import shutil
+
+    from ..planning.memory import format_bytes
+    from ..planning.memory_budget import largest_fitting_budget, plan_memory
+    from .memory_settings import memory_settings
+
+    key = budget_key(step_config).replace("train_mb_tokens", "memory_budget")
+    device = "cuda" if shutil.which("nvidia-smi") and cfg.cluster.backend != "gloo" else "cpu"
+    settings = memory_settings(cfg, device=device)
+    try:
+        stages = plan_memory(plan, shape, settings)
+        peaks = ", ".join(f"stage {d['stage']} {format_bytes(d['peak'])}" for d in stages)
+        log.info("predicted peak per GPU (first batch, %s attention): %s; %s=%s", settings.attention, peaks, key,
+                 format_bytes(budget))  # fmt: skip
+        if max(d["peak"] for d in stages) <= budget:
+            return
+        fit = largest_fitting_budget([[lengths[i] for i in batch_ids]], step_config, shape, settings, budget)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}", key=key) from None
+    tokens_key = budget_key(step_config)
+    raise ConfigError(
+        f"{key}={format_bytes(budget)}: the first global batch's plan at {tokens_key}={step_config.train_mb_tokens} "
+        f"needs {peaks}; the largest budget that fits is {tokens_key}={fit['train_mb_tokens']}: set it, or raise "
+        f"{key}.", key=key)  # fmt: skip
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:

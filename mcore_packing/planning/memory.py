@@ -41,15 +41,25 @@ Not modeled yet (refused): recomputation, MoE layers, MTP.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..validators import require_choice, require_positive_int
+from ..validators import InvalidValue, require_choice, require_positive_int
 from .layout import ParallelLayout
 from .model_shape import ModelShape, padded_vocab_size
 from .pipeline import stage_operations
 
-__all__ = ["ATTENTION_KERNELS", "MemorySettings", "MicroBatchTokens", "activation_bytes", "stage_peak", "static_bytes"]
+__all__ = [
+    "ATTENTION_KERNELS",
+    "MemorySettings",
+    "MicroBatchTokens",
+    "activation_bytes",
+    "format_bytes",
+    "parse_bytes",
+    "stage_peak",
+    "static_bytes",
+]
 
 ATTENTION_KERNELS = ("sdpa-math", "flash", "te-fused")
 STAT_BYTES = 4  # norms keep their statistics in fp32
@@ -222,3 +232,27 @@ def _layers_per_chunk(shape: ModelShape, layout: ParallelLayout) -> int:
 def _check_shape(shape: ModelShape) -> None:
     if shape.is_moe:
         raise ValueError("the memory model does not cover Mixture-of-Experts layers yet (model.num_experts is set).")
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
+          "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text, *, key: str = "memory_budget") -> int:
+    """Bytes from an integer or a string such as "72GiB", "80GB", "512 MiB" (a ValueError names ``key``)."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise InvalidValue(f"{key}={text!r} is not a size: give bytes per GPU such as 72GiB, 80GB or 512MiB.",
+                           key=key)  # fmt: skip
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: float) -> str:
+    """``n`` bytes as GiB, MiB or KiB (2 decimals)."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"

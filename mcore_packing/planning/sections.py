@@ -12,6 +12,7 @@ from typing import Any
 from ..packing import DEFAULT_ALGORITHM
 from ..validators import require_choice, require_positive_int
 from .balance import ORDERS
+from .memory import parse_bytes
 
 __all__ = ["SECTIONS", "DynamicBatchingConfig", "SequencePackingConfig", "section_keys"]
 
@@ -29,12 +30,14 @@ class SequencePackingConfig:
     sequence_length_round: int = 1
     cost_budget: Any = None  # ours: None | "auto" | a number: also cap each row's attention-aware cost
     fixed_shape: bool = False  # ours: one shape per micro-batch (full rows, cu_seqlens of fixed length) for CUDA graphs
+    memory_budget: Any = None  # ours: bytes per GPU ("72GiB"): micro-batches also under the predicted peak
 
     def __post_init__(self):
         for name in ("train_mb_tokens", "sequence_length_round"):
             require_positive_int(name, getattr(self, name))
         require_positive_int("logprob_mb_tokens", self.logprob_mb_tokens, allow_none=True)
         require_choice("microbatch_order", self.microbatch_order, ORDERS)
+        _check_memory_budget(self.memory_budget)
 
 
 @dataclass(kw_only=True)
@@ -45,11 +48,18 @@ class DynamicBatchingConfig:
     train_mb_tokens: int = 4096
     logprob_mb_tokens: int | None = None
     sequence_length_round: int = 1
+    memory_budget: Any = None  # ours, as in sequence_packing
 
     def __post_init__(self):
         for name in ("train_mb_tokens", "sequence_length_round"):
             require_positive_int(name, getattr(self, name))
         require_positive_int("logprob_mb_tokens", self.logprob_mb_tokens, allow_none=True)
+        _check_memory_budget(self.memory_budget)
+
+
+def _check_memory_budget(value) -> None:
+    if value is not None:
+        parse_bytes(value, key="memory_budget")
 
 
 SECTIONS = {"sequence_packing": SequencePackingConfig, "dynamic_batching": DynamicBatchingConfig}

@@ -22,6 +22,7 @@ from ..validators import require_choice, require_positive_int, require_positive_
 from .balance import BALANCES, ORDERS
 from .cost_model import CostModel
 from .layout import SINGLE_RANK, ParallelLayout
+from .memory import parse_bytes
 from .padding import PaddingRule, micro_batch_tokens
 from .sections import section_keys
 
@@ -83,6 +84,7 @@ class StepPlanConfig:
     cost_model: CostModel | None = None
     cost_budget: float | str | None = None
     dynamic_cp: bool = False
+    memory_budget: int | str | None = None  # bytes per GPU the step's predicted peak must stay under (the app's)
 
     def __post_init__(self):
         require_choice("mode", self.mode, MODES)
@@ -95,6 +97,8 @@ class StepPlanConfig:
         for name in ("fp8_alignment", "padded_rows"):
             require_positive_int(name, getattr(self, name))
         require_positive_int("logprob_mb_tokens", self.logprob_mb_tokens, allow_none=True)
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", parse_bytes(self.memory_budget))
         if self.cost_budget is not None:
             if self.cost_budget != "auto":
                 require_positive_number("cost_budget", self.cost_budget)  # or 'auto', or None

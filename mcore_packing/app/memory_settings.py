@@ -1,0 +1,46 @@
+"""The memory model's settings (`planning.memory.MemorySettings`) of a training config, and the plan's
+memory report: each pipeline stage's predicted peak at the run's token budget, and the largest budget
+whose plans stay under ``memory_budget``. No torch: `plan` runs on a login node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..planning.memory import MemorySettings
+from ..planning.memory_budget import largest_fitting_budget, plan_memory
+
+__all__ = ["memory_report", "memory_settings"]
+
+SEARCH_BATCHES = 16  # the first global batches the budget search plans (each candidate plans them all)
+
+
+def memory_settings(cfg, *, device: str = "cuda") -> MemorySettings:
+    """How ``cfg``'s run holds its tensors on ``device`` (cuda: the attention kernel of
+    ``model.attention_backend``, flash for the built-in one, TE's fused otherwise; cpu: SDPA's math path)."""
+    dtype_bytes = 4 if cfg.model.dtype == "float32" else 2
+    grad_bytes = 4 if cfg.optimizer.grad_reduce_in_fp32 or dtype_bytes == 4 else dtype_bytes
+    attention = "sdpa-math" if device == "cpu" else ("flash" if cfg.model.attention_backend == "local" else "te-fused")
+    loss = cfg.loss_fn
+    entropy = cfg.algorithm == "grpo" and (loss.entropy_coeff > 0 or loss.calculate_entropy)
+    return MemorySettings(dtype_bytes=dtype_bytes, grad_bytes=grad_bytes, optimizer=cfg.optimizer.optimizer,
+                          distributed_optimizer=cfg.optimizer.use_distributed_optimizer, attention=attention,
+                          logprob_chunk_size=cfg.model.logprob_chunk_size, entropy=entropy)  # fmt: skip
+
+
+def memory_report(batches, config, shape, settings: MemorySettings, *, plan=None) -> dict:
+    """``{"budget", "stages", "largest_train_mb_tokens", "largest_stages"}`` for the first
+    `SEARCH_BATCHES` of ``batches`` (lengths arrays): the stage peaks (bytes) at ``config``'s token budget,
+    the worst over the batches, and the largest budget under ``config.memory_budget`` with its peaks."""
+    from ..planning import plan_step
+
+    plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
+    batches = list(batches)[:SEARCH_BATCHES]
+    stages = [plan_memory(plan(b, config), shape, settings) for b in batches]
+    worst = [max((s[k] for s in stages), key=lambda d: d["peak"]) for k in range(config.layout.pp)]
+    report = {"budget": config.memory_budget, "train_mb_tokens": config.train_mb_tokens, "stages": worst,
+              "settings": dataclasses.asdict(settings)}  # fmt: skip
+    if config.memory_budget is not None:
+        fit = largest_fitting_budget(batches, config, shape, settings, config.memory_budget, plan=plan)
+        report.update(largest_train_mb_tokens=fit["train_mb_tokens"], largest_stages=fit["stages"])
+    return report

@@ -1,0 +1,94 @@
+"""A step plan's predicted memory, and the largest token budget whose plans fit a byte budget.
+
+`plan_memory(plan, shape, settings)`: each pipeline stage's predicted peak for a `StepPlan` (the static
+bytes, plus the largest live activations over Megatron's schedule of each DP rank's micro-batches in the
+planner's order, the worst CP rank), from `planning.memory`. `largest_fitting_budget` searches the token
+budgets (``train_mb_tokens``) whose plans of the given batches keep every stage under ``budget`` bytes,
+and names what would make it fit when none does. numpy only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+
+from .layout import ParallelLayout
+from .memory import MemorySettings, MicroBatchTokens, activation_bytes, format_bytes, stage_peak, static_bytes
+from .model_shape import ModelShape
+from .step_config import StepPlanConfig
+from .step_plan import plan_step
+
+__all__ = ["largest_fitting_budget", "memory_view", "plan_memory"]
+
+def memory_view(plan, mb) -> MicroBatchTokens:
+    """The memory model's view of one of ``plan``'s micro-batches."""
+    lengths = tuple(int(plan.lengths[i]) for i in mb.sample_indices)
+    rows, width = mb.shape
+    thd = plan.is_thd(mb)
+    spans = tuple(int(n) for n in plan.config.padded_lengths(list(lengths))) if thd else ()
+    return MicroBatchTokens(thd=thd, lengths=lengths, rows=rows, width=width, spans=spans)
+
+
+def plan_memory(plan, shape: ModelShape, settings: MemorySettings) -> list[dict]:
+    """Per pipeline stage: ``{"stage", "static", "activations", "peak"}`` in bytes, the worst DP and CP
+    rank's (see the module docstring)."""
+    layout = plan.config.layout
+    stages = []
+    for stage in range(layout.pp):
+        static = sum(static_bytes(shape, layout, settings, stage=stage).values())
+        worst = 0.0
+        for rank in plan.micro_batches:
+            for cp_rank in range(layout.cp):
+                per_mb = [[sum(activation_bytes(shape, layout, settings, memory_view(plan, mb), stage=stage,
+                                                chunk=v, cp_rank=cp_rank).values()) for v in range(layout.vpp)]
+                          for mb in rank]  # fmt: skip
+                worst = max(worst, stage_peak(per_mb, layout, stage))
+        stages.append({"stage": stage, "static": static, "activations": worst, "peak": static + worst})
+    return stages
+
+
+def largest_fitting_budget(
+    batches: Sequence, config: StepPlanConfig, shape: ModelShape, settings: MemorySettings, budget: int, *,
+    plan: Callable | None = None,
+) -> dict:  # fmt: skip
+    """The largest ``train_mb_tokens`` (a multiple of 64, up to a whole batch's tokens) whose plans of every batch in
+    ``batches`` (lengths arrays) keep every stage's predicted peak under ``budget`` bytes, with those
+    peaks; ``plan(lengths, config)`` plans a batch (`plan_step` by default). A ValueError when even a
+    budget holding the longest sequence alone does not fit, naming it and what would make it fit."""
+    plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
+    longest = max(int(max(b)) for b in batches)
+    low = -(-int(config.padded_lengths([longest])[0]) // 64) * 64  # a row of 64k tokens holds the longest
+
+    def peaks(tokens: int) -> list[dict]:
+        cfg = dataclasses.replace(config, train_mb_tokens=tokens)
+        stages = [plan_memory(plan(b, cfg), shape, settings) for b in batches]
+        return [max((s[k] for s in stages), key=lambda d: d["peak"]) for k in range(config.layout.pp)]
+
+    smallest = peaks(low)
+    if max(s["peak"] for s in smallest) > budget:
+        raise ValueError(_too_big(longest, smallest, budget, config.layout, settings))
+    fits, best = low, smallest
+    most = max(int(sum(config.padded_lengths(list(b)))) for b in batches)  # a budget past a batch's tokens
+    lo, hi = low // 64 + 1, -(-most // 64)  # changes nothing
+    while lo <= hi:  # the peak grows with the budget: bisect over multiples of 64 tokens
+        mid = (lo + hi) // 2
+        stages = peaks(mid * 64)
+        if max(s["peak"] for s in stages) <= budget:
+            fits, best, lo = mid * 64, stages, mid + 1
+        else:
+            hi = mid - 1
+    return {"train_mb_tokens": fits, "stages": best, "budget": budget}
+
+
+def _too_big(longest: int, stages: list[dict], budget: int, layout: ParallelLayout, settings: MemorySettings) -> str:
+    worst = max(stages, key=lambda s: s["peak"])
+    hints = [f"parallel.cp={layout.cp * 2} (each rank holds half of every sequence)",
+             f"parallel.tp={layout.tp * 2} with sequence_parallel"]  # fmt: skip
+    if settings.logprob_chunk_size is None:
+        hints.append("model.logprob_chunk_size=4096 (no whole fp32 logits)")
+    if worst["static"] > budget:
+        hints = ["more pipeline stages, tensor parallelism or the distributed optimizer: the static bytes alone "
+                 f"({format_bytes(worst['static'])}) exceed it"]  # fmt: skip
+    return (f"the longest sequence ({longest} tokens) alone needs {format_bytes(worst['peak'])} on pipeline stage "
+            f"{worst['stage']} (static {format_bytes(worst['static'])}), over the memory budget of "
+            f"{format_bytes(budget)}; try {', or '.join(hints)}.")  # fmt: skip
