@@ -95,13 +95,21 @@ def memory_worker(rank, world_size, layouts, batches, shape=None):
     )
     from mcore_packing.megatron.optimizer import build_optimizer
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
-    from mcore_packing.planning.memory import MemorySettings, activation_bytes, stage_peak, static_bytes
+    from mcore_packing.planning.memory import (
+        MemorySettings,
+        activation_bytes,
+        micro_batch_memory,
+        stage_peak,
+        static_bytes,
+    )
     from mcore_packing.thd import SequenceSample
 
     shape = _shape(**(shape or {}))
-    settings = MemorySettings(dtype_bytes=4, grad_bytes=4, attention="sdpa-math")
     rows = []
-    for fields in layouts:
+    for entry in layouts:
+        fields = {k: v for k, v in entry.items() if k != "recompute"}
+        recompute = entry.get("recompute")
+        settings = MemorySettings(dtype_bytes=4, grad_bytes=4, attention="sdpa-math", recompute=recompute or "none")
         parts = fields.get("tp", 1) * fields.get("cp", 1) * fields.get("pp", 1)
         layout = ParallelLayout(**fields, dp=world_size // parts)
         initialize_parallel(layout)
@@ -109,7 +117,7 @@ def memory_worker(rank, world_size, layouts, batches, shape=None):
         stage = pgs.pp_rank
         with cpu_device_adapter():
             model, _ = build_gpt_model(shape, layout, dtype=torch.float32, attention_backend="local", device="cpu",
-                                       variable_seq_lengths=True)  # fmt: skip
+                                       variable_seq_lengths=True, recompute=recompute)  # fmt: skip
             optimizer = build_optimizer(model, lr=1e-3)
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             for mode, lengths in batches:
@@ -128,16 +136,18 @@ def memory_worker(rank, world_size, layouts, batches, shape=None):
                         with meter.hooks():
                             loss = model.module(prep.tokens, prep.position_ids, None, labels=prep.labels,
                                                 packed_seq_params=prep.packed_seq_params)  # fmt: skip
-                        rows.append((fields, mode, "activations", meter.peak, sum(terms.values())))
+                        rows.append((entry, mode, "activations", meter.peak, sum(terms.values())))
                         del loss
                 else:
                     meter = SavedBytes(params)
                     model.zero_grad_buffer()
                     with meter.hooks():
                         forward_backward(model, samples, plan, pgs, device="cpu")
-                    peak = stage_peak([[sum(t.values())] for t in predict], layout, stage)
-                    rows.append((fields, mode, f"stage {stage} peak ({len(mine)} micro-batches)", meter.peak, peak))
+                    pairs = [[micro_batch_memory(shape, layout, settings, _tokens(plan, mb), stage=stage,
+                                                 cp_rank=pgs.cp_rank)] for mb in mine]  # fmt: skip
+                    peak = stage_peak(pairs, layout, stage)
+                    rows.append((entry, mode, f"stage {stage} peak ({len(mine)} micro-batches)", meter.peak, peak))
             optimizer.step()
             measured, predicted = _static(model, optimizer), static_bytes(shape, layout, settings, stage=stage)
-            rows += [(fields, "-", name, measured[name], predicted[name]) for name in measured]
+            rows += [(entry, "-", name, measured[name], predicted[name]) for name in measured]
     return rows

@@ -70,6 +70,10 @@ CASES = {
         ["train", "--dry-run", "sequence_packing.memory_budget=60MiB"],
         "the longest sequence (1548 tokens) alone needs",
     ),
+    "an unknown recompute granularity": (
+        ["train", "--dry-run", "model.recompute_granularity=some"],
+        "model.recompute_granularity must be one of selective, full; got 'some'",
+    ),
     "a memory budget that is not a size": (
         ["train", "--dry-run", "dynamic_batching.memory_budget=lots"],
         "dynamic_batching.memory_budget='lots' is not a size",

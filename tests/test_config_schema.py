@@ -16,7 +16,7 @@ from mcore_packing.planning import ModelShape, StepPlanConfig
 from mcore_packing.planning.sections import SECTIONS, section_keys
 
 # the model group's keys that are not the shape
-RUN_KEYS = {"hf_path", "dtype", "attention_backend", "fp8_recipe", "logprob_chunk_size"}
+RUN_KEYS = {"hf_path", "dtype", "attention_backend", "fp8_recipe", "logprob_chunk_size", "recompute_granularity"}
 
 
 def test_the_hydra_default_and_the_tiny_cpu_sft_recipe_are_one_config():

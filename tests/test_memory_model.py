@@ -1,7 +1,8 @@
 """The memory model (#41, `planning.memory`) against the real Megatron model on the CPU.
 
 Two gloo ranks run a tiny GPTModel (fp32, the local spec with the built-in attention: its CPU kernel is
-SDPA's math path, `sdpa-math`) at DP2 (each rank alone), TP2 + SP, CP2 and PP2. Measured
+SDPA's math path, `sdpa-math`) at DP2 (each rank alone), TP2 + SP, CP2 and PP2, and with Megatron's
+selective and full recomputation. Measured
 (`tests.memory_workers`): the bytes autograd saves in each micro-batch's forward (a saved-tensor hook that
 counts each storage once while the graph holds it, parameters excluded); under PP the peak of those live
 bytes over the whole step through Megatron's 1F1B schedule; the parameters', the DDP gradient buffers' and
@@ -16,7 +17,10 @@ import pytest
 
 from .distributed_harness import run_distributed
 
-LAYOUTS = [{}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2}]
+LAYOUTS = [{}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2},
+           # Megatron's recomputation (recompute_granularity): the core attention, or every layer
+           {"recompute": "selective"}, {"recompute": "full"}, {"tp": 2, "sequence_parallel": True, "recompute": "full"},
+           {"cp": 2, "recompute": "selective"}, {"pp": 2, "recompute": "full"}]  # fmt: skip
 
 
 def _batches() -> list:

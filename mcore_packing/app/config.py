@@ -88,6 +88,8 @@ def _model_post_init(self):
     except ValueError as exc:
         raise ConfigError(f"model.{exc}", key="model.fp8_recipe") from None
     _positive("model", self, "logprob_chunk_size", allow_none=True)  # tokens per chunk, or null: whole
+    if self.recompute_granularity is not None:
+        _choice("model", self, "recompute_granularity", ("selective", "full"))
     self.declared_shape(vocab_size=1)  # the shape's own checks, named model.<key>
 
 
@@ -114,7 +116,7 @@ def _shape(self, vocab_size: int) -> ModelShape:
 
 def _model_config_class() -> type:
     """``ModelConfig``: ``hf_path``, every `ModelShape` field (its defaults, except `MODEL_DEFAULTS`), and
-    how to run the model (``dtype``, ``attention_backend``, ``logprob_chunk_size``). Generated from
+    how to run the model (``dtype``, ``attention_backend``, ``logprob_chunk_size``, ...). Generated from
     `ModelShape`'s fields, so a new shape field (MoE experts, ...) is a Hydra key without a second declaration."""
     shape_fields = []
     for f in dataclasses.fields(ModelShape):
@@ -134,13 +136,15 @@ def _model_config_class() -> type:
             # tokens per chunk of the output layer and the loss in every pass (no whole fp32 [T, V/TP] logits;
             # NeMo-RL's logprob_chunk_size); null: the logits whole
             ("logprob_chunk_size", "int | None", field(default=None)),
+            # Megatron's recompute_granularity: null | selective (the core attention) | full (every layer)
+            ("recompute_granularity", "str | None", field(default=None)),
         ],
         namespace={
             "__post_init__": _model_post_init,
             "declared_shape": _declared_shape,
             "shape": _shape,
             "__doc__": "The ``model`` group: ``hf_path``, the `ModelShape` fields (see its docstring), ``dtype``, "
-            "``attention_backend``, ``fp8_recipe`` and ``logprob_chunk_size``.",
+            "``attention_backend``, ``fp8_recipe``, ``logprob_chunk_size`` and ``recompute_granularity``.",
         },
     )
     cls.__module__ = __name__  # its annotations are strings, resolved in this module (Hydra reads them)

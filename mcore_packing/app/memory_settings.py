@@ -25,7 +25,8 @@ def memory_settings(cfg, *, device: str = "cuda") -> MemorySettings:
     entropy = cfg.algorithm == "grpo" and (loss.entropy_coeff > 0 or loss.calculate_entropy)
     return MemorySettings(dtype_bytes=dtype_bytes, grad_bytes=grad_bytes, optimizer=cfg.optimizer.optimizer,
                           distributed_optimizer=cfg.optimizer.use_distributed_optimizer, attention=attention,
-                          logprob_chunk_size=cfg.model.logprob_chunk_size, entropy=entropy)  # fmt: skip
+                          logprob_chunk_size=cfg.model.logprob_chunk_size, entropy=entropy,
+                          recompute=cfg.model.recompute_granularity or "none")  # fmt: skip
 
 
 def memory_report(batches, config, shape, settings: MemorySettings, *, plan=None) -> dict:
@@ -42,5 +43,6 @@ def memory_report(batches, config, shape, settings: MemorySettings, *, plan=None
               "settings": dataclasses.asdict(settings)}  # fmt: skip
     if config.memory_budget is not None:
         fit = largest_fitting_budget(batches, config, shape, settings, config.memory_budget, plan=plan)
-        report.update(largest_train_mb_tokens=fit["train_mb_tokens"], largest_stages=fit["stages"])
+        report.update(largest_train_mb_tokens=fit["train_mb_tokens"], largest_stages=fit["stages"],
+                      whole_batch_fits=fit["whole_batch"])  # fmt: skip
     return report

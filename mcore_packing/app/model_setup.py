@@ -109,6 +109,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None, 
         process_groups=process_groups,
         head=getattr(get_algorithm(cfg.algorithm), "HEAD", "lm"),
         logprob_chunk_size=cfg.model.logprob_chunk_size,
+        recompute=cfg.model.recompute_granularity,
     )
 
 

@@ -539,7 +539,8 @@ def _print_memory(memory: dict | None) -> None:
 
     print(f"  predicted peak per GPU at train_mb_tokens={memory['train_mb_tokens']}: {peaks(memory['stages'])}")
     print(f"  largest train_mb_tokens under the memory budget of {format_bytes(memory['budget'])}: "
-          f"{memory['largest_train_mb_tokens']} ({peaks(memory['largest_stages'])})")  # fmt: skip
+          f"{memory['largest_train_mb_tokens']} ({peaks(memory['largest_stages'])})"
+          + ("; a whole global batch fits in one micro-batch" if memory["whole_batch_fits"] else ""))  # fmt: skip
 
 
 def _print_text(doc: dict) -> None:

@@ -69,8 +69,13 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str | None = None,
     cpu_initialization: bool | None = None,
+    recompute: str | None = None,
 ):
     """Megatron's ``TransformerConfig`` for ``shape`` on a layout (dropout off, as SFT/RL recipes use).
+
+    ``recompute``: Megatron's ``recompute_granularity``: None, "selective" (the core attention, Megatron's
+    default module list) or "full" (every layer, one per checkpoint: ``recompute_method="uniform"``,
+    ``recompute_num_layers=1``).
 
     ``device``: the run's device (default: CUDA when present). Megatron makes the parameters on the CPU
     (``use_cpu_initialization``) for a CPU run, on the GPU for a GPU run, unless ``cpu_initialization``
@@ -95,6 +100,13 @@ def transformer_config(
     extra.update(moe_config(shape, layout))
     if layout.vpp > 1:  # P2P as Megatron-LM runs the interleaved schedule: unbatched, overlapped
         extra.update(_interleaved_p2p(layout))
+    if recompute not in (None, "selective", "full"):
+        raise ValueError(f"recompute={recompute!r} is not one of None, 'selective', 'full' (Megatron's "
+                         "recompute_granularity).")  # fmt: skip
+    if recompute is not None:
+        extra["recompute_granularity"] = recompute
+    if recompute == "full":
+        extra.update(recompute_method="uniform", recompute_num_layers=1)
     return TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
@@ -222,6 +234,7 @@ def build_gpt_chunks(
     init: str = "seeded",
     cpu_initialization: bool | None = None,
     head: str = "lm",
+    recompute: str | None = None,
 ):
     """This pipeline stage's model chunks (``layout.vpp`` of them, Megatron's virtual pipeline; one
     without it), each a GPTModel wrapped in Megatron DDP, and their TransformerConfig. GPTModel and DDP
@@ -240,7 +253,7 @@ def build_gpt_chunks(
     ``cpu_initialization`` overrides where Megatron makes the parameters (default: on the run's device;
     tests drive the GPU branch on a CPU with False).
     ``head``: "lm" (the vocabulary projection) or "reward" (a reward model: `reward_head.RewardHead`, one
-    score per token, the embedding untied from it).
+    score per token, the embedding untied from it). ``recompute``: as in `transformer_config`.
     """
     if init not in INIT_MODES:
         raise ValueError(f"init={init!r} is not one of {INIT_MODES}.")
@@ -257,7 +270,7 @@ def build_gpt_chunks(
 
         define_missing_te_gemm()
     config = transformer_config(shape, layout, variable_seq_lengths=variable_seq_lengths, dtype=dtype, device=device,
-                                cpu_initialization=cpu_initialization)  # fmt: skip
+                                cpu_initialization=cpu_initialization, recompute=recompute)  # fmt: skip
     torch.manual_seed(seed)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=False, use_distributed_optimizer=use_distributed_optimizer,

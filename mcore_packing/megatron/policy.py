@@ -63,6 +63,7 @@ def build_policy(
     process_groups: ProcessGroups | None = None,
     head: str = "lm",
     logprob_chunk_size: int | None = None,
+    recompute: str | None = None,
 ) -> Policy:
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
     weights of ``hf_path`` (this rank's slices), else the seeded initialization (`seeded_init`: a
@@ -75,7 +76,8 @@ def build_policy(
     makes one set of communicators. ``head="reward"``: a reward model (`reward_head`; from ``hf_path``
     its ``score.weight`` when the folder has one, else the seeded head on the checkpoint's body).
     ``logprob_chunk_size``: the output layer and the loss that many tokens at a time in every pass
-    (`chunked_logprobs.chunk_logprobs`; None: whole logits)."""
+    (`chunked_logprobs.chunk_logprobs`; None: whole logits). ``recompute``: Megatron's recompute_granularity
+    (None, "selective", "full": `model.transformer_config`)."""
     from .chunked_logprobs import chunk_logprobs
     from .hf_weights import load_hf_weights
     from .model import build_gpt_chunks
@@ -101,6 +103,7 @@ def build_policy(
         process_groups=process_groups,
         init="none" if hf_path is not None else "seeded",  # a checkpoint sets every parameter
         head=head,
+        recompute=recompute,
     )
     model = chunks[0] if len(chunks) == 1 else chunks
     info = {}

@@ -36,11 +36,16 @@ A stage's peak: its static bytes plus the largest sum, over the schedule's opera
 (`pipeline.stage_operations`, plain or interleaved, in the planner's order), of the activations of the
 (micro-batch, chunk) pairs whose forward has run and whose backward has not.
 
-Not modeled yet (refused): recomputation, MoE layers, MTP.
+Recomputation (Megatron's ``recompute_granularity``): ``selective`` keeps, instead of the attention
+kernel's buffers, the rotated queries and keys and the QKV output (the values are a view of it); ``full``
+(one layer per checkpoint) keeps each layer's input only, plus RoPE's table up to the longest sequence.
+
+Not modeled yet (refused): MoE layers, MTP.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,16 +57,20 @@ from .pipeline import stage_operations
 
 __all__ = [
     "ATTENTION_KERNELS",
+    "RECOMPUTE",
     "MemorySettings",
     "MicroBatchTokens",
     "activation_bytes",
     "format_bytes",
+    "micro_batch_memory",
     "parse_bytes",
+    "recompute_bytes",
     "stage_peak",
     "static_bytes",
 ]
 
 ATTENTION_KERNELS = ("sdpa-math", "flash", "te-fused")
+RECOMPUTE = ("none", "selective", "full")  # Megatron's recompute_granularity (full: uniform, one layer each)
 STAT_BYTES = 4  # norms keep their statistics in fp32
 
 
@@ -88,8 +97,7 @@ class MemorySettings:
         require_choice("optimizer", self.optimizer, ("adam", "sgd"))
         require_choice("attention", self.attention, ATTENTION_KERNELS)
         require_positive_int("logprob_chunk_size", self.logprob_chunk_size, allow_none=True)
-        if self.recompute != "none":
-            raise ValueError(f"recompute={self.recompute!r}: the memory model covers recompute='none' only so far.")
+        require_choice("recompute", self.recompute, RECOMPUTE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,15 +163,18 @@ def activation_bytes(
     q_width = shape.num_attention_heads * shape.head_size // tp
     f = shape.ffn_size // tp
     rope_positions = tokens if mb.thd else mb.width // cp
-    per_layer = {
-        "norms": 2 * norm,
-        "linear_inputs": 2 * sharded * h * e + tokens * (q_width + f) * e,
-        "rope": 4 * rope_positions * shape.head_size * e,
-        "mlp_activation": tokens * f * e * (4 if shape.gated_mlp else 1),
-        "attention": _attention_bytes(shape, layout, settings, mb, cp_rank),
-    }
-    terms = {name: layers * value for name, value in per_layer.items()}
-    if cp > 1 and mb.thd and settings.attention != "te-fused":
+    if settings.recompute == "full":  # each layer keeps its input; RoPE's table is a checkpoint argument
+        terms = {"layer_inputs": layers * sharded * h * e, "rope": _rope_table(shape, layout, settings, mb)}
+    else:
+        per_layer = {
+            "norms": 2 * norm,
+            "linear_inputs": 2 * sharded * h * e + tokens * (q_width + f) * e,
+            "rope": 4 * rope_positions * shape.head_size * e,
+            "mlp_activation": tokens * f * e * (4 if shape.gated_mlp else 1),
+            "attention": _attention_bytes(shape, layout, settings, mb, cp_rank),
+        }
+        terms = {name: layers * value for name, value in per_layer.items()}
+    if cp > 1 and mb.thd and settings.attention != "te-fused" and settings.recompute == "none":
         terms["attention"] += 8 * mb.total  # the local backend's key/value gather index, one per micro-batch
     first = stage == 0 and chunk == 0
     last = stage == layout.pp - 1 and chunk == layout.vpp - 1
@@ -176,6 +187,8 @@ def _attention_bytes(shape, layout, settings, mb: MicroBatchTokens, cp_rank: int
     """One layer's attention kernel buffers on this rank (see the module docstring)."""
     e, tp, cp, d = settings.dtype_bytes, layout.tp, layout.cp, shape.head_size
     heads, kv_heads = shape.num_attention_heads // tp, max(1, shape.kv_heads // tp)
+    if settings.recompute == "selective":  # the checkpoint keeps the rotated queries and keys, the QKV output
+        return mb.total // cp * (2 * heads + 3 * kv_heads) * d * e + 4  # (values are a view of it), max_seqlen
     if mb.thd:
         spans = mb.lengths if cp == 1 else mb.spans  # one CP rank attends over real lengths; CP over spans
     else:
@@ -188,6 +201,12 @@ def _attention_bytes(shape, layout, settings, mb: MicroBatchTokens, cp_rank: int
             else:  # flash / TE: queries, output, keys and values at their own heads, fp32 log-sum-exp
                 total += 2 * q * heads * d * e + 2 * k * kv_heads * d * e + q * heads * 4
     return total
+
+
+def _rope_table(shape, layout, settings, mb: MicroBatchTokens) -> int:
+    """Full recomputation's RoPE argument: the embedding of every position up to the longest sequence."""
+    longest = max(mb.spans or mb.lengths) if mb.thd else mb.width
+    return longest * shape.head_size * settings.dtype_bytes
 
 
 def _pieces(span: int, cp: int, cp_rank: int) -> list[tuple[int, int]]:
@@ -210,16 +229,51 @@ def _logits_bytes(shape, layout, settings, tokens: int, sharded: int, norm: floa
     return norm + sharded * h * e + loss + entropy
 
 
-def stage_peak(per_micro_batch: Sequence[Sequence[float]], layout: ParallelLayout, stage: int) -> float:
+def stage_peak(per_micro_batch: Sequence[Sequence], layout: ParallelLayout, stage: int) -> float:
     """The largest activation total a rank of ``stage`` holds over Megatron's schedule: ``per_micro_batch
-    [i][v]`` is micro-batch ``i``'s (in the rank's order) activations in model chunk ``v``."""
+    [i][v]`` is micro-batch ``i``'s (in the rank's order) activations in model chunk ``v``, or a pair
+    ``(held, transient)``: what its forward keeps, and what its backward makes live on top (a recomputed
+    layer, `recompute_bytes`)."""
     m = len(per_micro_batch)
     live = peak = 0.0
     group = layout.microbatch_group_size_per_vp_stage
     for kind, i, v in stage_operations(stage, layout.pp, m, vpp=layout.vpp, group=group):
-        live += per_micro_batch[i][v] if kind == "F" else -per_micro_batch[i][v]
-        peak = max(peak, live)
+        entry = per_micro_batch[i][v]
+        held, transient = entry if isinstance(entry, (tuple, list)) else (entry, 0.0)
+        if kind == "F":
+            live += held
+            peak = max(peak, live)
+        else:
+            peak = max(peak, live + transient)
+            live -= held
     return peak
+
+
+def micro_batch_memory(shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, mb: MicroBatchTokens,
+                       *, stage: int = 0, chunk: int = 0, cp_rank: int = 0) -> tuple[float, float]:  # fmt: skip
+    """``(held, transient)`` of a micro-batch in model chunk ``chunk`` of ``stage``, for `stage_peak`:
+    what its forward keeps, and what its backward's recomputation makes live on top at its worst (after
+    the loss's buffers, freed first, on the last chunk)."""
+    terms = activation_bytes(shape, layout, settings, mb, stage=stage, chunk=chunk, cp_rank=cp_rank)
+    transient = recompute_bytes(shape, layout, settings, mb, cp_rank=cp_rank)
+    if transient:  # the loss, the output layer and the final norm run their backward before any layer
+        transient -= terms["logits"]
+    return sum(terms.values()), max(transient, 0.0)
+
+
+def recompute_bytes(shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, mb: MicroBatchTokens, *,
+                    cp_rank: int = 0) -> float:  # fmt: skip
+    """What a micro-batch's backward makes live on top of what its forward kept, under recomputation:
+    one layer's activations (``full``) or one layer's attention kernel buffers (``selective``); 0 without."""
+    if settings.recompute == "none":
+        return 0.0
+    plain = dataclasses.replace(settings, recompute="none", logprob_chunk_size=None, entropy=False)
+    one_layer = dataclasses.replace(shape, num_layers=layout.pp * layout.vpp)
+    terms = activation_bytes(one_layer, layout, plain, mb, stage=-1, chunk=-1, cp_rank=cp_rank)
+    if settings.recompute == "selective":
+        return terms["attention"]
+    held_input = mb.total // layout.cp // (layout.tp if layout.sequence_parallel else 1) * shape.hidden_size
+    return sum(terms.values()) - held_input * settings.dtype_bytes  # the layer's input is already held
 
 
 def _layers_per_chunk(shape: ModelShape, layout: ParallelLayout) -> int:

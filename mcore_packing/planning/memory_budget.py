@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from .layout import ParallelLayout
-from .memory import MemorySettings, MicroBatchTokens, activation_bytes, format_bytes, stage_peak, static_bytes
+from .memory import MemorySettings, MicroBatchTokens, format_bytes, micro_batch_memory, stage_peak, static_bytes
 from .model_shape import ModelShape
 from .step_config import StepPlanConfig
 from .step_plan import plan_step
@@ -39,9 +39,8 @@ def plan_memory(plan, shape: ModelShape, settings: MemorySettings) -> list[dict]
         worst = 0.0
         for rank in plan.micro_batches:
             for cp_rank in range(layout.cp):
-                per_mb = [[sum(activation_bytes(shape, layout, settings, memory_view(plan, mb), stage=stage,
-                                                chunk=v, cp_rank=cp_rank).values()) for v in range(layout.vpp)]
-                          for mb in rank]  # fmt: skip
+                per_mb = [[micro_batch_memory(shape, layout, settings, memory_view(plan, mb), stage=stage, chunk=v,
+                                              cp_rank=cp_rank) for v in range(layout.vpp)] for mb in rank]  # fmt: skip
                 worst = max(worst, stage_peak(per_mb, layout, stage))
         stages.append({"stage": stage, "static": static, "activations": worst, "peak": static + worst})
     return stages
@@ -51,10 +50,11 @@ def largest_fitting_budget(
     batches: Sequence, config: StepPlanConfig, shape: ModelShape, settings: MemorySettings, budget: int, *,
     plan: Callable | None = None,
 ) -> dict:  # fmt: skip
-    """The largest ``train_mb_tokens`` (a multiple of 64, up to a whole batch's tokens) whose plans of every batch in
-    ``batches`` (lengths arrays) keep every stage's predicted peak under ``budget`` bytes, with those
-    peaks; ``plan(lengths, config)`` plans a batch (`plan_step` by default). A ValueError when even a
-    budget holding the longest sequence alone does not fit, naming it and what would make it fit."""
+    """The largest ``train_mb_tokens`` (a multiple of 64, up to a whole batch's tokens: then ``whole_batch``)
+    whose plans of every batch in ``batches`` (lengths arrays) keep every stage's predicted peak under
+    ``budget`` bytes, with those peaks; ``plan(lengths, config)`` plans a batch (`plan_step` by default).
+    A ValueError when even a budget holding the longest sequence alone does not fit, naming it and what
+    would make it fit."""
     plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
     longest = max(int(max(b)) for b in batches)
     low = -(-int(config.padded_lengths([longest])[0]) // 64) * 64  # a row of 64k tokens holds the longest
@@ -77,7 +77,7 @@ def largest_fitting_budget(
             fits, best, lo = mid * 64, stages, mid + 1
         else:
             hi = mid - 1
-    return {"train_mb_tokens": fits, "stages": best, "budget": budget}
+    return {"train_mb_tokens": fits, "stages": best, "budget": budget, "whole_batch": fits >= most}
 
 
 def _too_big(longest: int, stages: list[dict], budget: int, layout: ParallelLayout, settings: MemorySettings) -> str:
@@ -86,6 +86,8 @@ def _too_big(longest: int, stages: list[dict], budget: int, layout: ParallelLayo
              f"parallel.tp={layout.tp * 2} with sequence_parallel"]  # fmt: skip
     if settings.logprob_chunk_size is None:
         hints.append("model.logprob_chunk_size=4096 (no whole fp32 logits)")
+    if settings.recompute != "full":
+        hints.append("model.recompute_granularity=full (each layer recomputed in the backward)")
     if worst["static"] > budget:
         hints = ["more pipeline stages, tensor parallelism or the distributed optimizer: the static bytes alone "
                  f"({format_bytes(worst['static'])}) exceed it"]  # fmt: skip

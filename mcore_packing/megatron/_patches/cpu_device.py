@@ -9,7 +9,8 @@ in Mixture-of-Experts layers the router moving its weight to ``torch.cuda.curren
 token dispatcher's and shared experts' ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` (one
 host stream here: a CPU runs in order), the auxiliary-loss tracker's ``device="cuda"``, and the
 dispatcher's device-to-host copy of its all-to-all split sizes (``maybe_move_tensor_to_cpu``, replaced
-while active: on a CPU the sizes stayed tensors, which gloo refuses), and, under TP x EP, the uneven
+while active: on a CPU the sizes stayed tensors, which gloo refuses), recomputation's CUDA generator state
+(``tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``: the CPU's), and, under TP x EP, the uneven
 all-gather and reduce-scatter of expert tokens (``mappings._gather_along_first_dim`` /
 ``_reduce_scatter_along_first_dim`` with split sizes, which gloo cannot do: padded to even, or an
 all-reduce and a slice; exact either way).
@@ -74,6 +75,8 @@ _REPLACED_FUNCTIONS = (
     ("megatron.core.transformer.moe.token_dispatcher", "maybe_move_tensor_to_cpu", "_host_split_sizes"),
     ("megatron.core.tensor_parallel.mappings", "_gather_along_first_dim", "_uneven_gather"),
     ("megatron.core.tensor_parallel.mappings", "_reduce_scatter_along_first_dim", "_uneven_reduce_scatter"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", "_host_get_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", "_host_set_rng_state"),
 )
 """(module, function, the `CpuDeviceAdapter` method that wraps it) of the module-level functions replaced
 while the adapter is active (restored by ``uninstall``)."""
@@ -280,6 +283,27 @@ class CpuDeviceAdapter:
             return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
         return maybe_move_tensor_to_cpu
+
+    def _host_get_rng_state(self, original, module: str):
+        """Recomputation (Megatron's ``tensor_parallel.checkpoint``: ``recompute_granularity``) saves the
+        CUDA generator's state beside the CPU's; a CPU run has only the CPU's, which the checkpoint saves
+        and restores itself, so the "CUDA" state is the CPU's (restoring it again changes nothing)."""
+        adapter = self
+
+        def get_rng_state(device="cuda", clone=False, graph_safe=False):
+            adapter._record(module, "_get_cuda_rng_state")
+            return torch.get_rng_state()
+
+        return get_rng_state
+
+    def _host_set_rng_state(self, original, module: str):
+        """The counterpart of `_host_get_rng_state`: nothing to set (the checkpoint restores the CPU's)."""
+        adapter = self
+
+        def set_rng_state(new_state, device=-1, graph_safe=False):
+            adapter._record(module, "_set_cuda_rng_state")
+
+        return set_rng_state
 
     def _tensor_cuda(self, original):
         adapter, modules = self, set(self.modules)
