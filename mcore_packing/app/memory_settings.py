@@ -10,9 +10,19 @@ import dataclasses
 from ..planning.memory import MemorySettings
 from ..planning.memory_budget import largest_fitting_budget, plan_memory
 
-__all__ = ["memory_report", "memory_settings"]
+__all__ = ["memory_report", "memory_settings", "run_device"]
 
 SEARCH_BATCHES = 16  # the first global batches the budget search plans (each candidate plans them all)
+
+
+def run_device(cfg) -> str:
+    """The device ``cfg``'s run trains on: cluster.backend nccl -> cuda, gloo -> cpu, auto -> cuda when
+    this machine has one (a login node's dry run of a GPU job: set cluster.backend=nccl)."""
+    if cfg.cluster.backend != "auto":
+        return "cuda" if cfg.cluster.backend == "nccl" else "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def memory_settings(cfg, *, device: str = "cuda") -> MemorySettings:

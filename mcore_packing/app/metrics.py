@@ -52,8 +52,9 @@ _TENSORBOARD_KEYS = (
 class MetricsLogger:
     """Per-step metrics of one run (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, *, start_step: int = 0):
+    def __init__(self, cfg: TrainConfig, rank: int, *, start_step: int = 0, memory: tuple | None = None):
         self.enabled = rank == 0
+        self.memory = memory  # (ModelShape, MemorySettings): each step's predicted peak per stage
         self.total_steps = cfg.training.steps
         self.log_interval = cfg.logging.log_interval
         self.path = Path(cfg.run_dir) / cfg.logging.metrics_file
@@ -91,11 +92,27 @@ class MetricsLogger:
             "sample_ids": batch_ids,
             **({"cp_sizes": stats["cp_sizes"]} if "cp_sizes" in stats else {}),  # dynamic CP: sequences per size
             **({"shared_prefix": shared} if shared is not None else {}),  # tokens and predicted cost saved
+            **self._memory(plan),
             **(extra or {}),
         }
         if self.enabled:
             self._write(record)
         return record
+
+    def _memory(self, plan) -> dict:
+        """With a memory budget: the step's predicted peak per pipeline stage (`planning.memory_budget`) and,
+        on a GPU, the allocator's measured peak since the last step."""
+        if self.memory is None or not isinstance(plan, StepPlan):
+            return {}
+        from ..planning.memory_budget import plan_memory
+
+        out = {"predicted_peak_bytes": [int(s["peak"]) for s in plan_memory(plan, *self.memory)]}
+        import torch
+
+        if torch.cuda.is_available():
+            out["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        return out
 
     def _write(self, record: dict) -> None:
         with self.path.open("a") as f:

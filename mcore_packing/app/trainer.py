@@ -162,6 +162,15 @@ def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layou
     return plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)
 
 
+def _memory_model(cfg: TrainConfig, inputs) -> tuple | None:
+    """(shape, settings) for the metrics' predicted peaks when the run has a memory budget."""
+    if inputs.step_config.memory_budget is None:
+        return None
+    from .memory_settings import memory_settings, run_device
+
+    return inputs.shape, memory_settings(cfg, device=run_device(cfg))
+
+
 def check_memory_budget(cfg: TrainConfig, shape: ModelShape, step_config, plan, lengths, batch_ids) -> None:
     """With a ``memory_budget``, the first global batch's predicted peak per stage (`planning.memory`, the
     settings of `app.memory_settings` on this machine's device) must stay under it: logged, else a
@@ -170,15 +179,12 @@ def check_memory_budget(cfg: TrainConfig, shape: ModelShape, step_config, plan, 
     budget = step_config.memory_budget
     if budget is None:
         return
-    import shutil
-
     from ..planning.memory import format_bytes
     from ..planning.memory_budget import largest_fitting_budget, plan_memory
-    from .memory_settings import memory_settings
+    from .memory_settings import memory_settings, run_device
 
     key = budget_key(step_config).replace("train_mb_tokens", "memory_budget")
-    device = "cuda" if shutil.which("nvidia-smi") and cfg.cluster.backend != "gloo" else "cpu"
-    settings = memory_settings(cfg, device=device)
+    settings = memory_settings(cfg, device=run_device(cfg))
     try:
         stages = plan_memory(plan, shape, settings)
         peaks = ", ".join(f"stage {d['stage']} {format_bytes(d['peak'])}" for d in stages)
@@ -258,7 +264,7 @@ def _train(cfg: TrainConfig, inputs: RunInputs, fingerprint: str, stop: StopRequ
             log.info("resumed from %s at step %d", inputs.resume, start)
         _announce_draws(cfg, inputs, setup.rank)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
-        metrics = MetricsLogger(cfg, setup.rank, start_step=start)
+        metrics = MetricsLogger(cfg, setup.rank, start_step=start, memory=_memory_model(cfg, inputs))
         meters = _moe_meters(setup.policy, inputs.shape)
         asked = {"world_size": setup.world_size, "rank": setup.rank}
         step = start
