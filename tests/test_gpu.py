@@ -170,6 +170,38 @@ def test_log_probs_in_chunks_lower_the_peak_by_the_rows_fp32_logits(single_rank)
     assert whole_peak - chunked_peak >= predicted
 
 
+@pytest.mark.parametrize("backend, kernel", [("local", "flash"), ("te", "te-fused")])
+def test_the_memory_models_attention_kernels_match_what_the_gpu_saves(single_rank, backend, kernel):
+    """#41: what a bf16 packed micro-batch's forward saves for the backward on the GPU (the saved-tensor
+    meter of `tests.memory_workers`) against `planning.memory.activation_bytes` with the GPU kernel's
+    constants (flash: torch's varlen FlashAttention under the built-in backend; te-fused: TE's), within
+    10%; the measured and predicted bytes are printed for benchmarks/README.md."""
+    if backend == "te" and not compat.te_available():
+        pytest.skip(NO_TE)
+    from mcore_packing.megatron import build_gpt_model, to_packed_seq_params
+    from mcore_packing.planning import ModelShape, ParallelLayout
+    from mcore_packing.planning.memory import MemorySettings, MicroBatchTokens, activation_bytes
+
+    from .memory_workers import SavedBytes
+
+    shape = ModelShape(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=512,
+                       vocab_size=1000, max_sequence_length=1024, normalization="RMSNorm", gated_mlp=True)  # fmt: skip
+    model, _ = build_gpt_model(shape, dtype=torch.bfloat16, attention_backend=backend, device="cuda")
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in LENGTHS], PaddingRule())
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    meter = SavedBytes(params)
+    with meter.hooks():
+        model.module(batch.tokens.cuda(), batch.position_ids.cuda(), None, labels=batch.labels.cuda(),
+                     packed_seq_params=to_packed_seq_params(batch, device="cuda"))  # fmt: skip
+    mb = MicroBatchTokens(thd=True, lengths=tuple(batch.seq_lengths), rows=1, width=batch.total_tokens,
+                          spans=tuple(batch.padded_lengths))  # fmt: skip
+    terms = activation_bytes(shape, ParallelLayout(), MemorySettings(dtype_bytes=2, attention=kernel), mb)
+    predicted = sum(terms.values())
+    print(f"{kernel}: saved for the backward {meter.peak:,} B, predicted {predicted:,.0f} B "
+          f"({(predicted - meter.peak) / meter.peak:+.1%}; attention term {terms['attention']:,.0f} B)")
+    assert abs(predicted - meter.peak) <= 0.10 * meter.peak
+
+
 @pytest.mark.parametrize("dtype, backend", [("float32", "local"), ("bfloat16", "local"), ("bfloat16", "te")])
 def test_packed_gpt_matches_per_sequence_on_the_gpu(single_rank, dtype, backend):
     """fp32 runs SDPA per sequence (FlashAttention has no fp32), bf16 the varlen kernel or TE's."""
