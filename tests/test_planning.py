@@ -175,3 +175,37 @@ def test_fixed_shape_rows_are_full_and_their_cu_seqlens_length_bounds_every_row(
     assert entries == 128 // 4 + 2  # CP2: every sequence is padded to a multiple of 4
     tightest = plan_step([1] * 64, config)  # one-token sequences: the most a row can hold
     assert max(len(mb.sample_indices) for rank in tightest.micro_batches for mb in rank) + 2 == entries
+
+
+@pytest.mark.parametrize("mode", ["packing", "dynamic"])
+def test_a_memory_budget_replans_a_training_pass_under_it(mode):
+    """#41: with StepPlanConfig.memory_budget and a MemoryModel, a training pass whose predicted peak at
+    the token budget exceeds the byte budget is planned again at the largest multiple of 64 tokens that
+    fits (every stage under it; 64 tokens more does not); a forward-only pass is untouched; a batch whose
+    longest sequence alone exceeds the budget raises naming it."""
+    import dataclasses
+
+    from mcore_packing.planning import ModelShape
+    from mcore_packing.planning.memory import MemorySettings
+    from mcore_packing.planning.memory_budget import MemoryBudgetError, MemoryModel, plan_memory
+
+    shape = ModelShape(num_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=32000, max_sequence_length=8192)
+    memory = MemoryModel(shape, MemorySettings(attention="flash"))
+    lengths = np.random.default_rng(41).integers(50, 3000, 64)
+    base = StepPlanConfig(mode=mode, train_mb_tokens=16384, layout=ParallelLayout(dp=2, pp=2))
+
+    def peak(plan):
+        return max(s["peak"] for s in plan_memory(plan, shape, memory.settings))
+
+    whole = peak(plan_step(lengths, base))
+    config = dataclasses.replace(base, memory_budget=int(whole * 0.7), memory_model=memory)
+    plan = plan_step(lengths, config)
+    fitted = plan.config.train_mb_tokens
+    assert fitted < base.train_mb_tokens and fitted % 64 == 0 and peak(plan) <= config.memory_budget
+    assert peak(plan_step(lengths, dataclasses.replace(base, train_mb_tokens=fitted + 64))) > config.memory_budget
+    assert plan_step(lengths, config, forward_only=True).config.train_mb_tokens == base.train_mb_tokens
+    longest = int(lengths.max())
+    alone = dataclasses.replace(base, train_mb_tokens=-(-longest // 64) * 64)  # one sequence per micro-batch
+    tight = dataclasses.replace(config, memory_budget=int(peak(plan_step([longest] * 2, alone)) * 0.9))
+    with pytest.raises(MemoryBudgetError, match=r"the longest sequence \(\d+ tokens\) alone needs"):
+        plan_step(lengths, tight)

@@ -66,8 +66,9 @@ def metrics(run_dir: Path) -> list[dict]:
     "mode_overrides, mode",
     [
         ([], "packing"),
-        # #41 on the way: a memory budget (each step's predicted peak logged), log-probs in chunks, recomputation
-        (["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "dynamic_batching.memory_budget=2GiB",
+        # #41 on the way: a memory budget (each step's predicted peak logged and under it), log-probs in
+        # chunks, recomputation
+        (["sequence_packing.enabled=false", "dynamic_batching.enabled=true", "dynamic_batching.memory_budget=20MiB",
           "model.logprob_chunk_size=256", "model.recompute_granularity=selective"], "dynamic"),
         (["sequence_packing.enabled=false"], "padded"),
     ],
@@ -87,8 +88,9 @@ def test_each_mode_trains_and_loss_decreases(tmp_path, mode_overrides, mode):
     else:
         assert all(r["useful_tokens"] <= r["padded_tokens"] for r in rows)
     if mode == "dynamic":
-        assert "predicted peak per GPU (first batch, sdpa-math attention)" in proc.stderr + proc.stdout
-        assert all(0 < r["predicted_peak_bytes"][0] <= 2 * 2**30 for r in rows)
+        log = proc.stderr + proc.stdout
+        assert "predicted peak per GPU (first batch, sdpa-math attention)" in log
+        assert all(0 < r["predicted_peak_bytes"][0] <= 20 * 2**20 for r in rows)
     assert (tmp_path / "run" / "config.yaml").exists() and (tmp_path / "run" / "run.json").exists()
 
 

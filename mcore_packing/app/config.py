@@ -29,6 +29,7 @@ from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import DPOConfig, GRPOConfig, RMConfig
 from ..validators import InvalidValue, require_choice, require_positive_int
 from .algorithms import ALGORITHMS
+from .memory_settings import memory_model
 from .run_names import default_run_dir
 from .stop_request import DEFAULT_STOP_SIGNALS, check_stop_signals
 
@@ -541,6 +542,7 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
             fixed_length=False if par.variable_seq_lengths else None,
             fp8_alignment=fp8_row_alignment(cfg.model.fp8_recipe),
             dynamic_cp=dynamic_cp,
+            memory_model=memory_model(cfg, shape),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

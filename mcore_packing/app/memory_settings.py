@@ -6,23 +6,24 @@ whose plans stay under ``memory_budget``. No torch: `plan` runs on a login node.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 from ..planning.memory import MemorySettings
-from ..planning.memory_budget import largest_fitting_budget, plan_memory
+from ..planning.memory_budget import MemoryModel, largest_fitting_budget, plan_memory
 
-__all__ = ["memory_report", "memory_settings", "run_device"]
+__all__ = ["memory_model", "memory_report", "memory_settings", "run_device"]
 
 SEARCH_BATCHES = 16  # the first global batches the budget search plans (each candidate plans them all)
 
 
 def run_device(cfg) -> str:
-    """The device ``cfg``'s run trains on: cluster.backend nccl -> cuda, gloo -> cpu, auto -> cuda when
-    this machine has one (a login node's dry run of a GPU job: set cluster.backend=nccl)."""
+    """The device ``cfg``'s run trains on: cluster.backend nccl -> cuda, gloo -> cpu; auto -> cuda when
+    this process has torch loaded and a GPU (the trainer), and cuda when torch is not loaded (`plan` on a
+    login node plans for the GPUs it does not have)."""
     if cfg.cluster.backend != "auto":
         return "cuda" if cfg.cluster.backend == "nccl" else "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    torch = sys.modules.get("torch")
+    return "cuda" if torch is None or torch.cuda.is_available() else "cpu"
 
 
 def memory_settings(cfg, *, device: str = "cuda") -> MemorySettings:
@@ -39,6 +40,14 @@ def memory_settings(cfg, *, device: str = "cuda") -> MemorySettings:
                           recompute=cfg.model.recompute_granularity or "none")  # fmt: skip
 
 
+def memory_model(cfg, shape) -> MemoryModel | None:
+    """The `MemoryModel` a run with a ``memory_budget`` plans with (None without one)."""
+    active = cfg.sequence_packing if cfg.sequence_packing.enabled else cfg.dynamic_batching
+    if active.memory_budget is None:
+        return None
+    return MemoryModel(shape, memory_settings(cfg, device=run_device(cfg)))
+
+
 def memory_report(batches, config, shape, settings: MemorySettings, *, plan=None) -> dict:
     """``{"budget", "stages", "largest_train_mb_tokens", "largest_stages"}`` for the first
     `SEARCH_BATCHES` of ``batches`` (lengths arrays): the stage peaks (bytes) at ``config``'s token budget,
@@ -47,6 +56,7 @@ def memory_report(batches, config, shape, settings: MemorySettings, *, plan=None
 
     plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
     batches = list(batches)[:SEARCH_BATCHES]
+    config = dataclasses.replace(config, memory_model=None)  # the peaks at the run's token budget as it is
     stages = [plan_memory(plan(b, config), shape, settings) for b in batches]
     worst = [max((s[k] for s in stages), key=lambda d: d["peak"]) for k in range(config.layout.pp)]
     report = {"budget": config.memory_budget, "train_mb_tokens": config.train_mb_tokens, "stages": worst,

@@ -26,8 +26,9 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..planning import ModelShape, ParallelLayout, StepPlanConfig, plan_step
+from ..planning import ModelShape, ParallelLayout, StepPlan, StepPlanConfig, plan_step
 from ..planning.hf_config import check_output_folder, check_safetensors
+from ..planning.memory_budget import MemoryBudgetError
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from .algorithms import RunData, get_algorithm
 from .checkpoint import (
@@ -82,6 +83,9 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     """Every check that needs no Megatron, in the order a user fixes them (errors come in a second)."""
     algorithm = get_algorithm(cfg.algorithm)
     layout = validate_layout(cfg, world_size)
+    if not dry_run:  # the memory model's device is this machine's (`run_device`); a dry run plans for GPUs
+        import torch  # noqa: F401
+
     step_config = plan_config(cfg, layout)
     if cfg.model.family != "gpt" and cfg.model.hf_path is None and not dry_run:
         raise ConfigError(
@@ -133,7 +137,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
     sampler = GlobalBatchSampler(data.num_units, batch_units, cfg.training.seed)  # a batch no larger than the data
     first_batch = data.sample_ids(sampler.next_batch())
     first_plan = _plan_first_batch(cfg, algorithm, data, lengths, step_config, layout, first_batch)
-    check_memory_budget(cfg, shape, step_config, first_plan, lengths, first_batch)
+    check_memory_budget(step_config, first_plan, lengths)
     return RunInputs(layout=layout, step_config=step_config, data=data, lengths=lengths, shape=shape, resume=resume,
                      batch_units=batch_units, fingerprint=fingerprint, first_plan=first_plan,
                      first_batch=first_batch)  # fmt: skip
@@ -155,6 +159,9 @@ def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layou
     try:
         plans = [plan_step([lengths[i] for i in ids], step_config, groups=groups, shared_prefix=sharing(cfg, data, ids))
                  for ids, groups in passes]  # fmt: skip
+    except MemoryBudgetError as exc:  # its longest sequence alone is over the memory budget
+        key = budget_key(step_config).replace("train_mb_tokens", "memory_budget")
+        raise ConfigError(f"{key}: {exc}", key=key) from None
     except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
         key = algorithm.BATCH_KEY
         raise ConfigError(f"the first global batch ({samples} samples, set by {key}) cannot be planned on "
@@ -171,35 +178,30 @@ def _memory_model(cfg: TrainConfig, inputs) -> tuple | None:
     return inputs.shape, memory_settings(cfg, device=run_device(cfg))
 
 
-def check_memory_budget(cfg: TrainConfig, shape: ModelShape, step_config, plan, lengths, batch_ids) -> None:
-    """With a ``memory_budget``, the first global batch's predicted peak per stage (`planning.memory`, the
-    settings of `app.memory_settings` on this machine's device) must stay under it: logged, else a
-    `ConfigError` before Megatron starts, naming the largest ``train_mb_tokens`` that fits (or, when the
-    longest sequence alone does not fit, what would make it fit)."""
+def check_memory_budget(step_config, plan, lengths) -> None:
+    """With a ``memory_budget``: log the first global batch's predicted peak per stage (`planning.memory`,
+    the settings of `app.memory_settings` on this run's device), and the smaller token budget `plan_step`
+    planned it at when the configured one would exceed the memory budget; refuse (`ConfigError`) a data
+    set whose longest sample alone would exceed it, before Megatron starts (`plan_step` re-plans every
+    step's batch under the budget, which then always fits)."""
     budget = step_config.memory_budget
-    if budget is None:
+    if budget is None or step_config.memory_model is None or not isinstance(plan, StepPlan):
         return
     from ..planning.memory import format_bytes
-    from ..planning.memory_budget import largest_fitting_budget, plan_memory
-    from .memory_settings import memory_settings, run_device
+    from ..planning.memory_budget import plan_memory
 
     key = budget_key(step_config).replace("train_mb_tokens", "memory_budget")
-    settings = memory_settings(cfg, device=run_device(cfg))
+    memory = step_config.memory_model
     try:
-        stages = plan_memory(plan, shape, settings)
-        peaks = ", ".join(f"stage {d['stage']} {format_bytes(d['peak'])}" for d in stages)
-        log.info("predicted peak per GPU (first batch, %s attention): %s; %s=%s", settings.attention, peaks, key,
-                 format_bytes(budget))  # fmt: skip
-        if max(d["peak"] for d in stages) <= budget:
-            return
-        fit = largest_fitting_budget([[lengths[i] for i in batch_ids]], step_config, shape, settings, budget)
-    except ValueError as exc:
+        stages = plan_memory(plan, memory.shape, memory.settings)
+        plan_step([max(lengths)] * step_config.layout.dp, step_config)  # every batch: its longest sequence fits
+    except ValueError as exc:  # the longest sequence alone is over it, or a shape the model does not cover (MoE)
         raise ConfigError(f"{key}: {exc}", key=key) from None
-    tokens_key = budget_key(step_config)
-    raise ConfigError(
-        f"{key}={format_bytes(budget)}: the first global batch's plan at {tokens_key}={step_config.train_mb_tokens} "
-        f"needs {peaks}; the largest budget that fits is {tokens_key}={fit['train_mb_tokens']}: set it, or raise "
-        f"{key}.", key=key)  # fmt: skip
+    peaks = ", ".join(f"stage {d['stage']} {format_bytes(d['peak'])}" for d in stages)
+    planned, tokens_key = plan.config.train_mb_tokens, budget_key(step_config)
+    smaller = f" (planned at {tokens_key}={planned} to fit)" if planned < step_config.train_mb_tokens else ""
+    log.info("predicted peak per GPU (first batch, %s attention): %s; %s=%s%s", memory.settings.attention, peaks, key,
+             format_bytes(budget), smaller)  # fmt: skip
 
 
 def _warn_ignored_model_keys(cfg: TrainConfig, shape: ModelShape) -> None:

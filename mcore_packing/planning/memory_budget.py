@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from .layout import ParallelLayout
 from .memory import MemorySettings, MicroBatchTokens, format_bytes, micro_batch_memory, stage_peak, static_bytes
@@ -18,7 +19,11 @@ from .model_shape import ModelShape
 from .step_config import StepPlanConfig
 from .step_plan import plan_step
 
-__all__ = ["largest_fitting_budget", "memory_view", "plan_memory"]
+__all__ = ["MemoryBudgetError", "MemoryModel", "largest_fitting_budget", "memory_view", "plan_memory"]
+
+
+class MemoryBudgetError(ValueError):
+    """A batch whose longest sequence alone exceeds the memory budget (the message names the fixes)."""
 
 def memory_view(plan, mb) -> MicroBatchTokens:
     """The memory model's view of one of ``plan``'s micro-batches."""
@@ -46,6 +51,40 @@ def plan_memory(plan, shape: ModelShape, settings: MemorySettings) -> list[dict]
     return stages
 
 
+@dataclass(frozen=True)
+class MemoryModel:
+    """The model shape and settings a `StepPlanConfig` predicts its plans' memory with
+    (``StepPlanConfig.memory_model``); `plan_step` calls `enforce` on a training pass's plan."""
+
+    shape: ModelShape
+    settings: MemorySettings
+
+    def enforce(self, plan, replan: Callable):
+        """``plan``, or when a stage's predicted peak exceeds ``plan.config.memory_budget``, ``replan(config)``
+        at the largest ``train_mb_tokens`` (a multiple of 64 below the plan's) that keeps every stage
+        under it; a ValueError naming the longest sequence when none does."""
+        config, budget = plan.config, plan.config.memory_budget
+        if max(s["peak"] for s in plan_memory(plan, self.shape, self.settings)) <= budget:
+            return plan
+        unchecked = dataclasses.replace(config, memory_model=None)
+        lengths = [int(n) for n in plan.lengths]
+        low = -(-int(config.padded_lengths([max(lengths)])[0]) // 64) * 64
+        best = None
+        lo, hi = low // 64, (config.train_mb_tokens - 1) // 64
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            candidate = replan(dataclasses.replace(unchecked, train_mb_tokens=mid * 64))
+            if max(s["peak"] for s in plan_memory(candidate, self.shape, self.settings)) <= budget:
+                best, lo = candidate, mid + 1
+            else:
+                hi = mid - 1
+        if best is None:
+            stages = plan_memory(replan(dataclasses.replace(unchecked, train_mb_tokens=low)), self.shape,
+                                 self.settings)  # fmt: skip
+            raise MemoryBudgetError(_too_big(max(lengths), stages, budget, config.layout, self.settings))
+        return best
+
+
 def largest_fitting_budget(
     batches: Sequence, config: StepPlanConfig, shape: ModelShape, settings: MemorySettings, budget: int, *,
     plan: Callable | None = None,
@@ -56,6 +95,7 @@ def largest_fitting_budget(
     A ValueError when even a budget holding the longest sequence alone does not fit, naming it and what
     would make it fit."""
     plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
+    config = dataclasses.replace(config, memory_model=None)  # every candidate budget planned as it is
     longest = max(int(max(b)) for b in batches)
     low = -(-int(config.padded_lengths([longest])[0]) // 64) * 64  # a row of 64k tokens holds the longest
 
@@ -66,7 +106,7 @@ def largest_fitting_budget(
 
     smallest = peaks(low)
     if max(s["peak"] for s in smallest) > budget:
-        raise ValueError(_too_big(longest, smallest, budget, config.layout, settings))
+        raise MemoryBudgetError(_too_big(longest, smallest, budget, config.layout, settings))
     fits, best = low, smallest
     most = max(int(sum(config.padded_lengths(list(b)))) for b in batches)  # a budget past a batch's tokens
     lo, hi = low // 64 + 1, -(-most // 64)  # changes nothing

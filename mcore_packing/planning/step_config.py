@@ -84,7 +84,8 @@ class StepPlanConfig:
     cost_model: CostModel | None = None
     cost_budget: float | str | None = None
     dynamic_cp: bool = False
-    memory_budget: int | str | None = None  # bytes per GPU the step's predicted peak must stay under (the app's)
+    memory_budget: int | str | None = None  # bytes per GPU a training pass's predicted peak must stay under
+    memory_model: object | None = None  # what predicts it (`memory_budget.MemoryModel`); None: the budget unchecked
 
     def __post_init__(self):
         require_choice("mode", self.mode, MODES)

@@ -214,7 +214,20 @@ def plan_step(
 
     With ``config.dynamic_cp`` the plan is a `dynamic_cp.DynamicCPPlan` (rows on CP sub-groups of the DP
     x CP ranks, at the pass's budget per rank) instead of a `StepPlan`.
+
+    With ``config.memory_budget`` and ``config.memory_model`` (`memory_budget.MemoryModel`) a training
+    pass's plan whose predicted peak exceeds the budget is planned again at the largest token budget that
+    keeps it under (its ``config`` says which); a batch whose longest sequence alone exceeds it raises.
     """
+    plan = _plan_tokens(lengths, config, forward_only=forward_only, groups=groups, shared_prefix=shared_prefix)
+    memory = config.memory_model
+    if memory is None or config.memory_budget is None or forward_only or not isinstance(plan, StepPlan):
+        return plan
+    return memory.enforce(plan, lambda cfg: _plan_tokens(lengths, cfg, groups=groups, shared_prefix=shared_prefix))
+
+
+def _plan_tokens(lengths, config: StepPlanConfig, *, forward_only: bool = False, groups=None, shared_prefix=None):
+    """`plan_step` under the token budget alone."""
     lengths = as_lengths(lengths, np.iinfo(np.int64).max)
     if lengths.size == 0:
         raise ValueError("the global batch is empty; a step needs at least one sample.")
