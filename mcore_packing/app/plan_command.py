@@ -107,8 +107,9 @@ def _parse_int(token: str, index: int, path: str) -> int:
 
 
 def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanConfig, source: str,
-              dynamic: dict | None = None) -> None:  # fmt: skip
-    """One figure: length histogram, micro-batch fill, per-rank load, useful-token share per layout."""
+              dynamic: dict | None = None, memory: dict | None = None) -> None:  # fmt: skip
+    """One figure: length histogram, micro-batch fill, per-rank load, useful-token share per layout; with
+    ``memory`` (a memory budget) each stage's predicted peak at the run's budget and at the largest that fits."""
     try:
         import matplotlib
 
@@ -116,7 +117,11 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
         import matplotlib.pyplot as plt
     except ImportError as exc:
         raise PlanInputError("--png needs matplotlib: pip install 'mcore-packing[plot]', or pass --no-png.") from exc
-    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    fig, axes = plt.subplots(2, 3 if memory else 2, figsize=(18 if memory else 12, 8))
+    if memory:
+        _draw_memory(axes[0, 2], memory["stages"], memory["budget"], f"train_mb_tokens={memory['train_mb_tokens']}")
+        _draw_memory(axes[1, 2], memory["largest_stages"], memory["budget"],
+                     f"largest under the budget: {memory['largest_train_mb_tokens']}")  # fmt: skip
     ax = axes[0, 0]
     ax.hist(lengths, bins=60, color="#4C72B0")
     ax.set_yscale("log")
@@ -157,6 +162,18 @@ def write_png(path: str, lengths: np.ndarray, summary: dict, config: StepPlanCon
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _draw_memory(ax, stages: list[dict], budget: int, title: str) -> None:
+    """Stacked bars of each pipeline stage's predicted static bytes and activations (GiB), the budget a line."""
+    names = [f"stage {d['stage']}" for d in stages]
+    static = [d["static"] / 2**30 for d in stages]
+    ax.bar(names, static, color="#8172B2", label="static (parameters, gradients, optimizer)")
+    ax.bar(names, [d["activations"] / 2**30 for d in stages], bottom=static, color="#DD8452",
+           label="activations (peak over the schedule)")  # fmt: skip
+    ax.axhline(budget / 2**30, color="k", ls="--", lw=1, label="memory budget")
+    ax.set(title=f"predicted peak per GPU, {title}", ylabel="GiB")
+    ax.legend(fontsize=8)
 
 
 _KEYS = {
@@ -363,11 +380,12 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
                             groups=groups, shared_prefix=shared)  # fmt: skip
     except ValueError as exc:
         raise PlanInputError(str(exc)) from None
+    memory = _memory(cfg, lengths, config, shape, gbs, sizes) if config.memory_budget is not None else None
     if args.png and not args.no_png:
-        write_png(args.png, lengths, summary, config, source, dynamic)
+        write_png(args.png, lengths, summary, config, source, dynamic, memory)
     doc = _document(args, cfg, source, lengths, config, shape, summary, cuts)
     doc["dynamic_cp"] = dynamic
-    doc["memory"] = _memory(cfg, lengths, config, shape, gbs, sizes) if config.memory_budget is not None else None
+    doc["memory"] = memory
     if args.json:
         print(json.dumps(doc, indent=1))
     else:
