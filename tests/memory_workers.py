@@ -9,6 +9,8 @@ DDP gradient buffers' and the optimizer state's after one step.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 
@@ -73,15 +75,29 @@ def _tokens(plan, mb):
 
 def _static(model, optimizer) -> dict:
     """Measured static bytes: parameters, the DDP gradient buffers, the optimizer's state tensors."""
-    state = [t for per in optimizer.optimizer.state.values() for k, t in per.items()
+    inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]  # MoE: experts apart
+    state = [t for opt in inner for per in opt.state.values() for k, t in per.items()
              if torch.is_tensor(t) and k != "step"]  # fmt: skip
     return {"params": sum(p.nbytes for p in model.parameters()),
-            "grads": sum(b.grad_data.nbytes for b in model.buffers),
+            "grads": sum(b.grad_data.nbytes for b in model.buffers + model.expert_parallel_buffers),
             "optimizer": sum(t.nbytes for t in state)}  # fmt: skip
 
 
-def memory_worker(rank, world_size, layouts, batches, shape=None):
-    """For each layout (``ParallelLayout`` fields; DP fills the world) and batch (``(mode, lengths)``):
+@contextlib.contextmanager
+def _routed_tokens(model, counts: list):
+    """Within the block, each MoE layer's experts append the number of tokens they received to ``counts``."""
+    hooks = [m.register_forward_pre_hook(lambda _m, args: counts.append(int(args[0].shape[0])))
+             for name, m in model.named_modules() if name.endswith("mlp.experts")]  # fmt: skip
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def memory_worker(rank, world_size, layouts, batches):
+    """For each layout (``ParallelLayout`` fields, ``recompute``, ``shape``: `ModelShape` overrides; DP
+    fills the world) and batch (``(mode, lengths)``):
     measured and predicted bytes. Without PP each of this rank's micro-batches' forward alone (what it
     saves); with PP the whole step through Megatron's schedule (the stage's peak of live saved bytes).
     Then the static terms after one optimizer step. Rows: (layout, mode, what, measured, predicted)."""
@@ -104,10 +120,10 @@ def memory_worker(rank, world_size, layouts, batches, shape=None):
     )
     from mcore_packing.thd import SequenceSample
 
-    shape = _shape(**(shape or {}))
     rows = []
     for entry in layouts:
-        fields = {k: v for k, v in entry.items() if k != "recompute"}
+        fields = {k: v for k, v in entry.items() if k not in ("recompute", "shape")}
+        shape = _shape(**{**(entry.get("shape") or {})})
         recompute = entry.get("recompute")
         settings = MemorySettings(dtype_bytes=4, grad_bytes=4, attention="sdpa-math", recompute=recompute or "none")
         parts = fields.get("tp", 1) * fields.get("cp", 1) * fields.get("pp", 1)
@@ -131,12 +147,21 @@ def memory_worker(rank, world_size, layouts, batches, shape=None):
                 if layout.pp == 1:
                     for mb, terms in zip(mine, predict, strict=True):
                         prep = prepare_micro_batch(mb, samples, plan, pgs, totals=None, normalization=None,
-                                                   device="cpu")  # fmt: skip
-                        meter = SavedBytes(params)
-                        with meter.hooks():
+                                                   device="cpu", segments=shape.is_moe)  # fmt: skip
+                        meter, routed = SavedBytes(params), []
+                        with meter.hooks(), _routed_tokens(model, routed):
                             loss = model.module(prep.tokens, prep.position_ids, None, labels=prep.labels,
-                                                packed_seq_params=prep.packed_seq_params)  # fmt: skip
-                        rows.append((entry, mode, "activations", meter.peak, sum(terms.values())))
+                                                packed_seq_params=prep.packed_seq_params,
+                                                **({"padding_mask": prep.padding_mask} if shape.is_moe else {}))
+                        if shape.is_moe:  # the formula with the tokens the router sent here; the table's
+                            exact = activation_bytes(shape, layout, settings, _tokens(plan, mb), stage=stage,
+                                                     cp_rank=pgs.cp_rank, expert_tokens=routed)  # fmt: skip
+                            rows.append((entry, mode, "activations (routed tokens as counted)", meter.peak,
+                                         sum(exact.values())))  # fmt: skip
+                            what = "activations (balanced routing: the planner's)"
+                        else:
+                            what = "activations"
+                        rows.append((entry, mode, what, meter.peak, sum(terms.values())))
                         del loss
                 else:
                     meter = SavedBytes(params)

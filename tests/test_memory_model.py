@@ -7,7 +7,9 @@ selective and full recomputation. Measured
 counts each storage once while the graph holds it, parameters excluded); under PP the peak of those live
 bytes over the whole step through Megatron's 1F1B schedule; the parameters', the DDP gradient buffers' and
 the optimizer state's bytes after one step. Predicted: `activation_bytes` per micro-batch from its
-lengths, `stage_peak` over the planner's order, `static_bytes`.
+lengths, `stage_peak` over the planner's order, `static_bytes`. MoE (alone and at EP2): the formula with
+the tokens the router sent to this rank's experts (counted by a hook on the experts) is bounded; the
+planner's guess (balanced routing) is printed beside it.
 """
 
 from __future__ import annotations
@@ -17,10 +19,14 @@ import pytest
 
 from .distributed_harness import run_distributed
 
+MOE = {"num_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_shared_expert_size": 48,
+       "moe_dense_layers": [0]}
 LAYOUTS = [{}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2},
            # Megatron's recomputation (recompute_granularity): the core attention, or every layer
            {"recompute": "selective"}, {"recompute": "full"}, {"tp": 2, "sequence_parallel": True, "recompute": "full"},
-           {"cp": 2, "recompute": "selective"}, {"pp": 2, "recompute": "full"}]  # fmt: skip
+           {"cp": 2, "recompute": "selective"}, {"pp": 2, "recompute": "full"},
+           # Mixture-of-Experts (4 experts, top-2, a shared expert, one dense layer), alone and at EP2
+           {"shape": MOE}, {"ep": 2, "shape": MOE}]  # fmt: skip
 
 
 def _batches() -> list:
@@ -44,17 +50,19 @@ def test_predicted_memory_is_within_the_measured_bounds(rows):
     """Activations within 10% of the measurement (each micro-batch; each stage's peak), the static terms
     within 5%, over at least 20 micro-batches."""
     table = []
-    worst = {"activations": 0.0, "static": 0.0}
+    worst = {"activations": 0.0, "static": 0.0, "balanced": 0.0}
     count = 0
     for layout, mode, what, measured, predicted in rows:
         error = abs(predicted - measured) / measured
-        kind = "static" if mode == "-" else "activations"
+        kind = "static" if mode == "-" else "balanced" if "balanced routing" in what else "activations"
         worst[kind] = max(worst[kind], error)
         count += kind == "activations"
         table.append(f"| {layout or 'DP2'} | {mode} | {what} | {measured:,} | {predicted:,.0f} | {error:.1%} |")
-        assert error <= (0.05 if kind == "static" else 0.10), table[-1]
+        if kind != "balanced":  # the planner's MoE guess is reported, not bounded: routing varies
+            assert error <= (0.05 if kind == "static" else 0.10), table[-1]
     print("| layout | batching | term | measured B | predicted B | error |\n|---|---|---|---|---|---|")
     print("\n".join(table))
     print(f"{count} activation measurements: worst {worst['activations']:.1%}; static terms: worst "
-          f"{worst['static']:.1%}")  # fmt: skip
+          f"{worst['static']:.1%}; MoE with balanced routing assumed (the planner's guess): worst "
+          f"{worst['balanced']:.1%}")  # fmt: skip
     assert count >= 20

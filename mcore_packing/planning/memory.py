@@ -40,7 +40,14 @@ Recomputation (Megatron's ``recompute_granularity``): ``selective`` keeps, inste
 kernel's buffers, the rotated queries and keys and the QKV output (the values are a view of it); ``full``
 (one layer per checkpoint) keeps each layer's input only, plus RoPE's table up to the longest sequence.
 
-Not modeled yet (refused): MoE layers, MTP.
+Mixture-of-Experts layers (tp = 1, no shared-expert gate): the norm's output once (the router's, the
+dispatcher's and the shared expert's input), the router's top-k ids and probabilities, its routing map and
+their probabilities, the permutation's order, the tokens routed to this rank's experts (``expert_tokens``;
+the planner assumes balanced routing, the rank's tokens x top-k) and each one's SwiGLU in its expert (6
+``f_e`` elements, measured with Megatron's ``SequentialMLP``; TE's grouped GEMM is the GPU's to measure),
+and a shared expert as a dense SwiGLU. Static: each layer's experts divided over the EP ranks.
+
+Not modeled (refused): MoE with TP > 1 or a shared-expert gate, MTP.
 """
 
 from __future__ import annotations
@@ -118,7 +125,7 @@ class MicroBatchTokens:
 
 def static_bytes(shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, *, stage: int = 0) -> dict:
     """``{"params", "grads", "optimizer"}``: bytes on a rank of pipeline stage ``stage``."""
-    _check_shape(shape)
+    _check_shape(shape, layout)
     count = stage_parameters(shape, layout, stage)
     states = 2 if settings.optimizer == "adam" else 1
     master = 1 if settings.dtype_bytes < 4 else 0
@@ -129,16 +136,23 @@ def static_bytes(shape: ModelShape, layout: ParallelLayout, settings: MemorySett
 
 
 def stage_parameters(shape: ModelShape, layout: ParallelLayout, stage: int) -> int:
-    """Parameters a TP rank of pipeline stage ``stage`` holds (all its model chunks)."""
+    """Parameters a TP rank of pipeline stage ``stage`` holds (all its model chunks; an MoE layer's
+    experts divided over the EP ranks)."""
     tp, h, hd = layout.tp, shape.hidden_size, shape.head_size
     q, kv, f = shape.num_attention_heads * hd, shape.kv_heads * hd, shape.ffn_size
     norm = h if shape.normalization == "RMSNorm" else 2 * h
-    split = h * (q + 2 * kv) + q * h + (3 if shape.gated_mlp else 2) * h * f  # column / row parallel weights
+    split = h * (q + 2 * kv) + q * h  # column / row parallel weights
     split += (q + 2 * kv) if shape.qkv_bias or shape.linear_bias else 0
-    split += (2 if shape.gated_mlp else 1) * f if shape.linear_bias else 0
-    whole = 2 * norm + (2 * h if shape.linear_bias else 0) + (2 * hd if shape.qk_norm else 0)
-    layers = _layers_per_chunk(shape, layout) * layout.vpp
-    count = layers * (split // tp + whole)
+    whole = 2 * norm + (h if shape.linear_bias else 0) + (2 * hd if shape.qk_norm else 0)
+    mlp = (3 if shape.gated_mlp else 2) * h * f // tp + ((2 if shape.gated_mlp else 1) * f // tp + h
+                                                         if shape.linear_bias else 0)  # fmt: skip
+    experts = 0
+    if shape.is_moe:
+        experts = shape.num_experts // layout.ep * 3 * h * shape.expert_size + h * shape.num_experts
+        experts += 3 * h * (shape.moe_shared_expert_size or 0)
+    moe = shape.moe_layers()
+    indices = [i for v in range(layout.vpp) for i in _chunk_layers(shape, layout, stage, v)]
+    count = sum(split // tp + whole + (experts if moe[i] else mlp) for i in indices)
     vocab = padded_vocab_size(shape.vocab_size, tp) * h // tp
     if stage == 0:
         count += vocab
@@ -149,31 +163,34 @@ def stage_parameters(shape: ModelShape, layout: ParallelLayout, stage: int) -> i
 
 def activation_bytes(
     shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, mb: MicroBatchTokens, *,
-    stage: int = 0, chunk: int = 0, cp_rank: int = 0,
+    stage: int = 0, chunk: int = 0, cp_rank: int = 0, expert_tokens: int | None = None,
 ) -> dict:  # fmt: skip
     """The bytes a micro-batch's forward saves for its backward on a rank of ``stage`` (model chunk
-    ``chunk``; CP rank ``cp_rank``), per term (see the module docstring)."""
-    _check_shape(shape)
+    ``chunk``; CP rank ``cp_rank``), per term (see the module docstring). ``expert_tokens``: the tokens
+    routed to this rank's experts, one count or one per MoE layer of the chunk (default: balanced routing,
+    the rank's tokens x top-k)."""
+    _check_shape(shape, layout)
     e, tp, cp, h = settings.dtype_bytes, layout.tp, layout.cp, shape.hidden_size
     tokens = mb.total // cp
     sharded = tokens // tp if layout.sequence_parallel else tokens
-    layers = _layers_per_chunk(shape, layout)
     norm = sharded * ((2 if shape.normalization == "RMSNorm" else 1) * h * e
                       + (1 if shape.normalization == "RMSNorm" else 2) * STAT_BYTES)  # fmt: skip
-    q_width = shape.num_attention_heads * shape.head_size // tp
-    f = shape.ffn_size // tp
-    rope_positions = tokens if mb.thd else mb.width // cp
+    moe = [shape.moe_layers()[i] for i in _chunk_layers(shape, layout, stage, chunk)]
     if settings.recompute == "full":  # each layer keeps its input; RoPE's table is a checkpoint argument
-        terms = {"layer_inputs": layers * sharded * h * e, "rope": _rope_table(shape, layout, settings, mb)}
+        terms = {"layer_inputs": len(moe) * sharded * h * e, "rope": _rope_table(shape, layout, settings, mb)}
     else:
-        per_layer = {
-            "norms": 2 * norm,
-            "linear_inputs": 2 * sharded * h * e + tokens * (q_width + f) * e,
-            "rope": 4 * rope_positions * shape.head_size * e,
-            "mlp_activation": tokens * f * e * (4 if shape.gated_mlp else 1),
+        attention = {
+            "norms": norm,
+            "linear_inputs": sharded * h * e + tokens * shape.num_attention_heads * shape.head_size // tp * e,
+            "rope": 4 * (tokens if mb.thd else mb.width // cp) * shape.head_size * e,
             "attention": _attention_bytes(shape, layout, settings, mb, cp_rank),
         }
-        terms = {name: layers * value for name, value in per_layer.items()}
+        routed = _routed(expert_tokens, sum(moe), tokens * shape.moe_router_topk if shape.is_moe else 0)
+        blocks = [_mlp_bytes(shape, layout, settings, tokens, sharded, norm, routed.pop(0) if m else None)
+                  for m in moe]  # fmt: skip
+        terms = {name: len(moe) * value for name, value in attention.items()}
+        for name in ("norms", "linear_inputs", "mlp_activation", "moe_dispatch"):
+            terms[name] = terms.get(name, 0) + sum(block.get(name, 0) for block in blocks)
     if cp > 1 and mb.thd and settings.attention != "te-fused" and settings.recompute == "none":
         terms["attention"] += 8 * mb.total  # the local backend's key/value gather index, one per micro-batch
     first = stage == 0 and chunk == 0
@@ -181,6 +198,44 @@ def activation_bytes(
     terms["embedding"] = tokens * (8 + (1 if tp > 1 else 0)) if first else 0
     terms["logits"] = _logits_bytes(shape, layout, settings, tokens, sharded, norm) if last else 0
     return terms
+
+
+def _routed(expert_tokens, layers: int, balanced: int) -> list[int]:
+    """Tokens routed to this rank's experts in each of ``layers`` MoE layers (balanced by default)."""
+    if expert_tokens is None:
+        return [balanced] * layers
+    counts = [int(expert_tokens)] * layers if isinstance(expert_tokens, int) else [int(n) for n in expert_tokens]
+    if len(counts) != layers:
+        raise ValueError(f"expert_tokens gives {len(counts)} counts for {layers} MoE layers in this chunk.")
+    return counts
+
+
+def _mlp_bytes(shape, layout, settings, tokens: int, sharded: int, norm: float, routed: int | None) -> dict:
+    """One MLP block's saved bytes, per term: dense (``routed`` None) or MoE (``routed`` tokens to this
+    rank's experts)."""
+    e, h, tp = settings.dtype_bytes, shape.hidden_size, layout.tp
+    f = shape.ffn_size // tp
+    if routed is None:
+        return {"norms": norm, "linear_inputs": sharded * h * e + tokens * f * e,
+                "mlp_activation": tokens * f * e * (4 if shape.gated_mlp else 1)}  # fmt: skip
+    k = shape.moe_router_topk
+    shared = tokens * 5 * (shape.moe_shared_expert_size or 0) * e  # a dense SwiGLU beside the experts
+    experts = {
+        "norms": norm,
+        "linear_inputs": tokens * h * e,  # the norm's output: the router's, the dispatcher's, the shared expert's
+        # top-k ids and probabilities, the routing map and its probabilities, the permutation's order
+        "moe_dispatch": tokens * k * (8 + 4 + 8) + shape.num_experts * tokens * (1 + 4) + routed * h * e,
+        "mlp_activation": routed * (6 * shape.expert_size * e + 4) + shared,  # each routed token's SwiGLU
+    }
+    return experts
+
+
+def _chunk_layers(shape: ModelShape, layout: ParallelLayout, stage: int, chunk: int) -> range:
+    """The global layer indices of model chunk ``chunk`` of ``stage`` (Megatron's interleaved offsets;
+    stage -1: the first chunk's, for one layer's worth)."""
+    per = _layers_per_chunk(shape, layout)
+    start = (max(chunk, 0) * layout.pp + max(stage, 0)) * per
+    return range(start, start + per)
 
 
 def _attention_bytes(shape, layout, settings, mb: MicroBatchTokens, cp_rank: int) -> float:
@@ -268,7 +323,7 @@ def recompute_bytes(shape: ModelShape, layout: ParallelLayout, settings: MemoryS
     if settings.recompute == "none":
         return 0.0
     plain = dataclasses.replace(settings, recompute="none", logprob_chunk_size=None, entropy=False)
-    one_layer = dataclasses.replace(shape, num_layers=layout.pp * layout.vpp)
+    one_layer = dataclasses.replace(shape, num_layers=layout.pp * layout.vpp, moe_dense_layers=[])  # MoE: its layer
     terms = activation_bytes(one_layer, layout, plain, mb, stage=-1, chunk=-1, cp_rank=cp_rank)
     if settings.recompute == "selective":
         return terms["attention"]
@@ -283,9 +338,12 @@ def _layers_per_chunk(shape: ModelShape, layout: ParallelLayout) -> int:
     return shape.num_layers // chunks
 
 
-def _check_shape(shape: ModelShape) -> None:
-    if shape.is_moe:
-        raise ValueError("the memory model does not cover Mixture-of-Experts layers yet (model.num_experts is set).")
+def _check_shape(shape: ModelShape, layout: ParallelLayout | None = None) -> None:
+    if not shape.is_moe:
+        return
+    if shape.moe_shared_expert_gate or (layout is not None and layout.tp > 1):
+        raise ValueError("the memory model covers Mixture-of-Experts layers at tp=1 without a shared-expert gate "
+                         "(model.moe_shared_expert_gate, parallel.tp).")  # fmt: skip
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
