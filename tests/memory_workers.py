@@ -73,13 +73,13 @@ def _tokens(plan, mb):
     return MicroBatchTokens(thd=plan.is_thd(mb), lengths=lengths, rows=rows, width=width, spans=spans)
 
 
-def _static(model, optimizer) -> dict:
+def _static(chunks, optimizer) -> dict:
     """Measured static bytes: parameters, the DDP gradient buffers, the optimizer's state tensors."""
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]  # MoE: experts apart
     state = [t for opt in inner for per in opt.state.values() for k, t in per.items()
              if torch.is_tensor(t) and k != "step"]  # fmt: skip
-    return {"params": sum(p.nbytes for p in model.parameters()),
-            "grads": sum(b.grad_data.nbytes for b in model.buffers + model.expert_parallel_buffers),
+    return {"params": sum(p.nbytes for c in chunks for p in c.parameters()),
+            "grads": sum(b.grad_data.nbytes for c in chunks for b in c.buffers + c.expert_parallel_buffers),
             "optimizer": sum(t.nbytes for t in state)}  # fmt: skip
 
 
@@ -103,7 +103,7 @@ def memory_worker(rank, world_size, layouts, batches):
     Then the static terms after one optimizer step. Rows: (layout, mode, what, measured, predicted)."""
     from mcore_packing.megatron import (
         ProcessGroups,
-        build_gpt_model,
+        build_gpt_chunks,
         cpu_device_adapter,
         forward_backward,
         initialize_parallel,
@@ -132,10 +132,11 @@ def memory_worker(rank, world_size, layouts, batches):
         pgs = ProcessGroups.from_megatron()
         stage = pgs.pp_rank
         with cpu_device_adapter():
-            model, _ = build_gpt_model(shape, layout, dtype=torch.float32, attention_backend="local", device="cpu",
-                                       variable_seq_lengths=True, recompute=recompute)  # fmt: skip
+            chunks, _ = build_gpt_chunks(shape, layout, dtype=torch.float32, attention_backend="local", device="cpu",
+                                         variable_seq_lengths=True, recompute=recompute)  # fmt: skip
+            model = chunks if layout.vpp > 1 else chunks[0]
             optimizer = build_optimizer(model, lr=1e-3)
-            params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+            params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
             for mode, lengths in batches:
                 g = torch.Generator().manual_seed(sum(lengths))
                 samples = [SequenceSample(torch.randint(0, shape.vocab_size, (n,), generator=g)) for n in lengths]
@@ -165,14 +166,16 @@ def memory_worker(rank, world_size, layouts, batches):
                         del loss
                 else:
                     meter = SavedBytes(params)
-                    model.zero_grad_buffer()
+                    for chunk in chunks:
+                        chunk.zero_grad_buffer()
                     with meter.hooks():
                         forward_backward(model, samples, plan, pgs, device="cpu")
-                    pairs = [[micro_batch_memory(shape, layout, settings, _tokens(plan, mb), stage=stage,
-                                                 cp_rank=pgs.cp_rank)] for mb in mine]  # fmt: skip
+                    pairs = [[micro_batch_memory(shape, layout, settings, _tokens(plan, mb), stage=stage, chunk=v,
+                                                 cp_rank=pgs.cp_rank) for v in range(layout.vpp)]
+                             for mb in mine]  # fmt: skip
                     peak = stage_peak(pairs, layout, stage)
                     rows.append((entry, mode, f"stage {stage} peak ({len(mine)} micro-batches)", meter.peak, peak))
             optimizer.step()
-            measured, predicted = _static(model, optimizer), static_bytes(shape, layout, settings, stage=stage)
+            measured, predicted = _static(chunks, optimizer), static_bytes(shape, layout, settings, stage=stage)
             rows += [(entry, "-", name, measured[name], predicted[name]) for name in measured]
     return rows

@@ -13,6 +13,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from .balance import ORDERS
 from .layout import ParallelLayout
 from .memory import MemorySettings, MicroBatchTokens, format_bytes, micro_batch_memory, stage_peak, static_bytes
 from .model_shape import ModelShape
@@ -61,12 +62,19 @@ class MemoryModel:
 
     def enforce(self, plan, replan: Callable):
         """``plan``, or when a stage's predicted peak exceeds ``plan.config.memory_budget``, ``replan(config)``
-        at the largest ``train_mb_tokens`` (a multiple of 64 below the plan's) that keeps every stage
-        under it; a ValueError naming the longest sequence when none does."""
+        with another of the planner's micro-batch orders (under PP a stage holds consecutive micro-batches
+        in flight) or else at the largest ``train_mb_tokens`` (a multiple of 64 below the plan's) that keeps
+        every stage under it; a `MemoryBudgetError` naming the longest sequence when none does."""
         config, budget = plan.config, plan.config.memory_budget
-        if max(s["peak"] for s in plan_memory(plan, self.shape, self.settings)) <= budget:
+        if self._fits(plan, budget):
             return plan
         unchecked = dataclasses.replace(config, memory_model=None)
+        if config.layout.pp > 1:  # first the planner's other orders: a stage holds consecutive micro-batches
+            for order in ORDERS:
+                if order not in ("auto", config.microbatch_order):
+                    candidate = replan(dataclasses.replace(unchecked, microbatch_order=order))
+                    if self._fits(candidate, budget):
+                        return candidate
         lengths = [int(n) for n in plan.lengths]
         low = -(-int(config.padded_lengths([max(lengths)])[0]) // 64) * 64
         best = None
@@ -74,7 +82,7 @@ class MemoryModel:
         while lo <= hi:
             mid = (lo + hi) // 2
             candidate = replan(dataclasses.replace(unchecked, train_mb_tokens=mid * 64))
-            if max(s["peak"] for s in plan_memory(candidate, self.shape, self.settings)) <= budget:
+            if self._fits(candidate, budget):
                 best, lo = candidate, mid + 1
             else:
                 hi = mid - 1
@@ -83,6 +91,9 @@ class MemoryModel:
                                  self.settings)  # fmt: skip
             raise MemoryBudgetError(_too_big(max(lengths), stages, budget, config.layout, self.settings))
         return best
+
+    def _fits(self, plan, budget: int) -> bool:
+        return max(s["peak"] for s in plan_memory(plan, self.shape, self.settings)) <= budget
 
 
 def largest_fitting_budget(
