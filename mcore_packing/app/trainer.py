@@ -161,7 +161,8 @@ def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layou
                  for ids, groups in passes]  # fmt: skip
     except MemoryBudgetError as exc:  # its longest sequence alone is over the memory budget
         key = budget_key(step_config).replace("train_mb_tokens", "memory_budget")
-        raise ConfigError(f"{key}: {exc}", key=key) from None
+        longest = max(batch_ids, key=lambda i: lengths[i])
+        raise ConfigError(f"{key}: sample {longest} of the data: {exc}", key=key) from None
     except ValueError as exc:  # the first batch cannot be planned on this layout: a setting to change
         key = algorithm.BATCH_KEY
         raise ConfigError(f"the first global batch ({samples} samples, set by {key}) cannot be planned on "
@@ -194,8 +195,11 @@ def check_memory_budget(step_config, plan, lengths) -> None:
     memory = step_config.memory_model
     try:
         stages = plan_memory(plan, memory.shape, memory.settings)
-        plan_step([max(lengths)] * step_config.layout.dp, step_config)  # every batch: its longest sequence fits
-    except ValueError as exc:  # the longest sequence alone is over it, or a shape the model does not cover (MoE)
+        longest = max(range(len(lengths)), key=lambda i: lengths[i])
+        plan_step([lengths[longest]] * step_config.layout.dp, step_config)  # every batch's longest sequence fits
+    except MemoryBudgetError as exc:
+        raise ConfigError(f"{key}: sample {longest} of the data: {exc}", key=key) from None
+    except ValueError as exc:  # a shape the memory model does not cover (MoE at TP > 1): named
         raise ConfigError(f"{key}: {exc}", key=key) from None
     peaks = ", ".join(f"stage {d['stage']} {format_bytes(d['peak'])}" for d in stages)
     planned, tokens_key = plan.config.train_mb_tokens, budget_key(step_config)
