@@ -542,7 +542,7 @@ def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None
             fixed_length=False if par.variable_seq_lengths else None,
             fp8_alignment=fp8_row_alignment(cfg.model.fp8_recipe),
             dynamic_cp=dynamic_cp,
-            memory_model=memory_model(cfg, shape),
+            memory_model=memory_model(cfg, shape, layout),
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from ..planning.memory import MemorySettings
+from ..planning.memory import MemorySettings, check_covered
 from ..planning.memory_budget import MemoryModel, largest_fitting_budget, plan_memory
 
 __all__ = ["memory_model", "memory_report", "memory_settings", "run_device"]
@@ -40,11 +40,16 @@ def memory_settings(cfg, *, device: str = "cuda") -> MemorySettings:
                           recompute=cfg.model.recompute_granularity or "none")  # fmt: skip
 
 
-def memory_model(cfg, shape) -> MemoryModel | None:
-    """The `MemoryModel` a run with a ``memory_budget`` plans with (None without one)."""
-    active = cfg.sequence_packing if cfg.sequence_packing.enabled else cfg.dynamic_batching
-    if active.memory_budget is None:
+def memory_model(cfg, shape, layout) -> MemoryModel | None:
+    """The `MemoryModel` a run with a ``memory_budget`` plans with (None without one); a ValueError naming
+    the key when the memory model does not cover the shape on this layout."""
+    section = "sequence_packing" if cfg.sequence_packing.enabled else "dynamic_batching"
+    if getattr(cfg, section).memory_budget is None:
         return None
+    try:
+        check_covered(shape, layout)
+    except ValueError as exc:
+        raise ValueError(f"{section}.memory_budget: {exc} Unset the budget to train this model.") from None
     return MemoryModel(shape, memory_settings(cfg, device=run_device(cfg)))
 
 

@@ -68,6 +68,7 @@ __all__ = [
     "MemorySettings",
     "MicroBatchTokens",
     "activation_bytes",
+    "check_covered",
     "format_bytes",
     "micro_batch_memory",
     "parse_bytes",
@@ -125,7 +126,7 @@ class MicroBatchTokens:
 
 def static_bytes(shape: ModelShape, layout: ParallelLayout, settings: MemorySettings, *, stage: int = 0) -> dict:
     """``{"params", "grads", "optimizer"}``: bytes on a rank of pipeline stage ``stage``."""
-    _check_shape(shape, layout)
+    check_covered(shape, layout)
     count = stage_parameters(shape, layout, stage)
     states = 2 if settings.optimizer == "adam" else 1
     master = 1 if settings.dtype_bytes < 4 else 0
@@ -169,7 +170,7 @@ def activation_bytes(
     ``chunk``; CP rank ``cp_rank``), per term (see the module docstring). ``expert_tokens``: the tokens
     routed to this rank's experts, one count or one per MoE layer of the chunk (default: balanced routing,
     the rank's tokens x top-k)."""
-    _check_shape(shape, layout)
+    check_covered(shape, layout)
     e, tp, cp, h = settings.dtype_bytes, layout.tp, layout.cp, shape.hidden_size
     tokens = mb.total // cp
     sharded = tokens // tp if layout.sequence_parallel else tokens
@@ -338,12 +339,15 @@ def _layers_per_chunk(shape: ModelShape, layout: ParallelLayout) -> int:
     return shape.num_layers // chunks
 
 
-def _check_shape(shape: ModelShape, layout: ParallelLayout | None = None) -> None:
+def check_covered(shape: ModelShape, layout: ParallelLayout | None = None) -> None:
+    """A ValueError when the memory model does not cover ``shape`` on ``layout``."""
     if not shape.is_moe:
         return
-    if shape.moe_shared_expert_gate or (layout is not None and layout.tp > 1):
-        raise ValueError("the memory model covers Mixture-of-Experts layers at tp=1 without a shared-expert gate "
-                         "(model.moe_shared_expert_gate, parallel.tp).")  # fmt: skip
+    if layout is not None and layout.tp > 1:
+        raise ValueError(f"the memory model covers Mixture-of-Experts layers at parallel.tp=1, not {layout.tp}.")
+    if shape.moe_shared_expert_gate:
+        raise ValueError("the memory model covers Mixture-of-Experts layers without a shared-expert gate "
+                         "(model.moe_shared_expert_gate).")  # fmt: skip
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20,
