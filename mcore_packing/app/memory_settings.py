@@ -54,9 +54,10 @@ def memory_model(cfg, shape, layout) -> MemoryModel | None:
 
 
 def memory_report(batches, config, shape, settings: MemorySettings, *, plan=None) -> dict:
-    """``{"budget", "stages", "largest_train_mb_tokens", "largest_stages"}`` for the first
-    `SEARCH_BATCHES` of ``batches`` (lengths arrays): the stage peaks (bytes) at ``config``'s token budget,
-    the worst over the batches, and the largest budget under ``config.memory_budget`` with its peaks."""
+    """For the first `SEARCH_BATCHES` of ``batches`` (lengths arrays): ``budget``, ``train_mb_tokens``,
+    ``settings`` and ``stages`` (each stage's peak in bytes at ``config``'s token budget, the worst over the
+    batches); with ``config.memory_budget`` also ``largest_train_mb_tokens``, ``largest_stages`` (its
+    peaks) and ``whole_batch_fits`` (the search reached a whole batch's tokens)."""
     from ..planning import plan_step
 
     plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
