@@ -122,10 +122,11 @@ def memory_worker(rank, world_size, layouts, batches):
 
     rows = []
     for entry in layouts:
-        fields = {k: v for k, v in entry.items() if k not in ("recompute", "shape")}
+        fields = {k: v for k, v in entry.items() if k not in ("recompute", "shape", "distributed_optimizer")}
         shape = _shape(**{**(entry.get("shape") or {})})
-        recompute = entry.get("recompute")
-        settings = MemorySettings(dtype_bytes=4, grad_bytes=4, attention="sdpa-math", recompute=recompute or "none")
+        recompute, sharded = entry.get("recompute"), bool(entry.get("distributed_optimizer"))
+        settings = MemorySettings(dtype_bytes=4, grad_bytes=4, attention="sdpa-math", recompute=recompute or "none",
+                                  distributed_optimizer=sharded)  # fmt: skip
         parts = fields.get("tp", 1) * fields.get("cp", 1) * fields.get("pp", 1)
         layout = ParallelLayout(**fields, dp=world_size // parts)
         initialize_parallel(layout)
@@ -133,9 +134,10 @@ def memory_worker(rank, world_size, layouts, batches):
         stage = pgs.pp_rank
         with cpu_device_adapter():
             chunks, _ = build_gpt_chunks(shape, layout, dtype=torch.float32, attention_backend="local", device="cpu",
-                                         variable_seq_lengths=True, recompute=recompute)  # fmt: skip
+                                         variable_seq_lengths=True, recompute=recompute,
+                                         use_distributed_optimizer=sharded)  # fmt: skip
             model = chunks if layout.vpp > 1 else chunks[0]
-            optimizer = build_optimizer(model, lr=1e-3)
+            optimizer = build_optimizer(model, lr=1e-3, use_distributed_optimizer=sharded)
             params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
             for mode, lengths in batches:
                 g = torch.Generator().manual_seed(sum(lengths))

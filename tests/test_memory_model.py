@@ -27,7 +27,8 @@ LAYOUTS = [{}, {"tp": 2, "sequence_parallel": True}, {"cp": 2}, {"pp": 2},
            {"cp": 2, "recompute": "selective"}, {"pp": 2, "recompute": "full"},
            # Mixture-of-Experts (4 experts, top-2, a shared expert, one dense layer), alone and at EP2
            {"shape": MOE}, {"ep": 2, "shape": MOE},
-           {"pp": 2, "vpp": 2, "shape": {"num_layers": 4}}]  # fmt: skip (the interleaved schedule's stage peaks)
+           {"pp": 2, "vpp": 2, "shape": {"num_layers": 4}},  # the interleaved schedule's stage peaks
+           {"distributed_optimizer": True}]  # fmt: skip (the optimizer state sharded over DP2)
 
 
 def _batches() -> list:
