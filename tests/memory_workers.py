@@ -63,16 +63,6 @@ def _shape(**overrides):
     return ModelShape(**{**fields, **overrides})
 
 
-def _tokens(plan, mb):
-    """The memory model's view of a planned micro-batch."""
-    from mcore_packing.planning.memory import MicroBatchTokens
-
-    lengths = tuple(plan.lengths[i] for i in mb.sample_indices)
-    rows, width = mb.shape
-    spans = tuple(int(n) for n in plan.config.padded_lengths(list(lengths))) if plan.is_thd(mb) else ()
-    return MicroBatchTokens(thd=plan.is_thd(mb), lengths=lengths, rows=rows, width=width, spans=spans)
-
-
 def _static(chunks, optimizer) -> dict:
     """Measured static bytes: parameters, the DDP gradient buffers, the optimizer's state tensors."""
     inner = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [optimizer])]  # MoE: experts apart
@@ -118,6 +108,7 @@ def memory_worker(rank, world_size, layouts, batches):
         stage_peak,
         static_bytes,
     )
+    from mcore_packing.planning.memory_budget import memory_view
     from mcore_packing.thd import SequenceSample
 
     rows = []
@@ -145,7 +136,7 @@ def memory_worker(rank, world_size, layouts, batches):
                 plan = plan_step(lengths, StepPlanConfig(mode=mode, train_mb_tokens=max(256, max(lengths)),
                                                          layout=layout))  # fmt: skip
                 mine = plan.for_rank(pgs.dp_rank)
-                predict = [activation_bytes(shape, layout, settings, _tokens(plan, mb), stage=stage,
+                predict = [activation_bytes(shape, layout, settings, memory_view(plan, mb), stage=stage,
                                             cp_rank=pgs.cp_rank) for mb in mine]  # fmt: skip
                 if layout.pp == 1:
                     for mb, terms in zip(mine, predict, strict=True):
@@ -157,7 +148,7 @@ def memory_worker(rank, world_size, layouts, batches):
                                                 packed_seq_params=prep.packed_seq_params,
                                                 **({"padding_mask": prep.padding_mask} if shape.is_moe else {}))
                         if shape.is_moe:  # the formula with the tokens the router sent here; the table's
-                            exact = activation_bytes(shape, layout, settings, _tokens(plan, mb), stage=stage,
+                            exact = activation_bytes(shape, layout, settings, memory_view(plan, mb), stage=stage,
                                                      cp_rank=pgs.cp_rank, expert_tokens=routed)  # fmt: skip
                             rows.append((entry, mode, "activations (routed tokens as counted)", meter.peak,
                                          sum(exact.values())))  # fmt: skip
@@ -172,7 +163,7 @@ def memory_worker(rank, world_size, layouts, batches):
                         chunk.zero_grad_buffer()
                     with meter.hooks():
                         forward_backward(model, samples, plan, pgs, device="cpu")
-                    pairs = [[micro_batch_memory(shape, layout, settings, _tokens(plan, mb), stage=stage, chunk=v,
+                    pairs = [[micro_batch_memory(shape, layout, settings, memory_view(plan, mb), stage=stage, chunk=v,
                                                  cp_rank=pgs.cp_rank) for v in range(layout.vpp)]
                              for mb in mine]  # fmt: skip
                     peak = stage_peak(pairs, layout, stage)

@@ -52,9 +52,9 @@ _TENSORBOARD_KEYS = (
 class MetricsLogger:
     """Per-step metrics of one run (see the module docstring)."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, *, start_step: int = 0, memory: tuple | None = None):
+    def __init__(self, cfg: TrainConfig, rank: int, *, start_step: int = 0, memory=None):
         self.enabled = rank == 0
-        self.memory = memory  # (ModelShape, MemorySettings): each step's predicted peak per stage
+        self.memory = memory  # the plan's `MemoryModel` (a memory budget): each step's predicted peak per stage
         self.total_steps = cfg.training.steps
         self.log_interval = cfg.logging.log_interval
         self.path = Path(cfg.run_dir) / cfg.logging.metrics_file
@@ -106,7 +106,8 @@ class MetricsLogger:
             return {}
         from ..planning.memory_budget import plan_memory
 
-        out = {"predicted_peak_bytes": [int(s["peak"]) for s in plan_memory(plan, *self.memory)]}
+        stages = plan_memory(plan, self.memory.shape, self.memory.settings)
+        out = {"predicted_peak_bytes": [int(s["peak"]) for s in stages]}
         import torch
 
         if torch.cuda.is_available():

@@ -396,10 +396,10 @@ def _run(args: argparse.Namespace, user: list[str], given: dict[str, str]) -> in
 def _memory(cfg: TrainConfig, lengths, config: StepPlanConfig, shape: ModelShape, gbs: int, sizes) -> dict:
     """The predicted peak per pipeline stage and the largest token budget under ``memory_budget``
     (`app.memory_settings`; the first global batches, planned without groups)."""
-    from ..planning.report import _cuts
+    from ..planning.report import global_batch_bounds
     from .memory_settings import memory_report, memory_settings
 
-    batches = [lengths[lo:hi] for lo, hi in _cuts(lengths.size, gbs, sizes)]
+    batches = [lengths[lo:hi] for lo, hi in global_batch_bounds(lengths.size, gbs, sizes)]
     try:
         return memory_report(batches, config, shape, memory_settings(cfg))
     except ValueError as exc:

@@ -170,15 +170,6 @@ def _plan_first_batch(cfg, algorithm, data: RunData, lengths, step_config, layou
     return plans[0] if len(plans) == 1 else type(plans[0]).chained(plans)
 
 
-def _memory_model(cfg: TrainConfig, inputs) -> tuple | None:
-    """(shape, settings) for the metrics' predicted peaks when the run has a memory budget."""
-    if inputs.step_config.memory_budget is None:
-        return None
-    from .memory_settings import memory_settings, run_device
-
-    return inputs.shape, memory_settings(cfg, device=run_device(cfg))
-
-
 def check_memory_budget(step_config, plan, lengths) -> None:
     """With a ``memory_budget``: log the first global batch's predicted peak per stage (`planning.memory`,
     the settings of `app.memory_settings` on this run's device), and the smaller token budget `plan_step`
@@ -270,7 +261,7 @@ def _train(cfg: TrainConfig, inputs: RunInputs, fingerprint: str, stop: StopRequ
             log.info("resumed from %s at step %d", inputs.resume, start)
         _announce_draws(cfg, inputs, setup.rank)
         take_step = get_algorithm(cfg.algorithm).make_step(cfg, inputs, setup)
-        metrics = MetricsLogger(cfg, setup.rank, start_step=start, memory=_memory_model(cfg, inputs))
+        metrics = MetricsLogger(cfg, setup.rank, start_step=start, memory=inputs.step_config.memory_model)
         meters = _moe_meters(setup.policy, inputs.shape)
         asked = {"world_size": setup.world_size, "rank": setup.rank}
         step = start

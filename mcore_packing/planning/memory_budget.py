@@ -76,21 +76,14 @@ class MemoryModel:
                     if self._fits(candidate, budget):
                         return candidate
         lengths = [int(n) for n in plan.lengths]
-        low = -(-int(config.padded_lengths([max(lengths)])[0]) // 64) * 64
-        best = None
-        lo, hi = low // 64, (config.train_mb_tokens - 1) // 64
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            candidate = replan(dataclasses.replace(unchecked, train_mb_tokens=mid * 64))
-            if self._fits(candidate, budget):
-                best, lo = candidate, mid + 1
-            else:
-                hi = mid - 1
-        if best is None:
-            stages = plan_memory(replan(dataclasses.replace(unchecked, train_mb_tokens=low)), self.shape,
-                                 self.settings)  # fmt: skip
+        low = _smallest_budget(config, max(lengths))
+        candidate = lambda tokens: replan(dataclasses.replace(unchecked, train_mb_tokens=tokens))  # noqa: E731
+        below = (config.train_mb_tokens - 1) // 64 * 64  # the largest multiple of 64 below the plan's budget
+        tokens, result = _largest_fitting(low, below, candidate, lambda p: self._fits(p, budget))
+        if tokens is None:
+            stages = plan_memory(result or candidate(low), self.shape, self.settings)
             raise MemoryBudgetError(_too_big(max(lengths), stages, budget, config.layout, self.settings))
-        return best
+        return result
 
     def _fits(self, plan, budget: int) -> bool:
         return max(s["peak"] for s in plan_memory(plan, self.shape, self.settings)) <= budget
@@ -108,27 +101,44 @@ def largest_fitting_budget(
     plan = plan or (lambda lengths, cfg: plan_step(lengths, cfg))
     config = dataclasses.replace(config, memory_model=None)  # every candidate budget planned as it is
     longest = max(int(max(b)) for b in batches)
-    low = -(-int(config.padded_lengths([longest])[0]) // 64) * 64  # a row of 64k tokens holds the longest
+    low = _smallest_budget(config, longest)
 
     def peaks(tokens: int) -> list[dict]:
         cfg = dataclasses.replace(config, train_mb_tokens=tokens)
         stages = [plan_memory(plan(b, cfg), shape, settings) for b in batches]
         return [max((s[k] for s in stages), key=lambda d: d["peak"]) for k in range(config.layout.pp)]
 
-    smallest = peaks(low)
-    if max(s["peak"] for s in smallest) > budget:
-        raise MemoryBudgetError(_too_big(longest, smallest, budget, config.layout, settings))
-    fits, best = low, smallest
     most = max(int(sum(config.padded_lengths(list(b)))) for b in batches)  # a budget past a batch's tokens
-    lo, hi = low // 64 + 1, -(-most // 64)  # changes nothing
-    while lo <= hi:  # the peak grows with the budget: bisect over multiples of 64 tokens
+    fits, best = _largest_fitting(low, max(most, low), peaks, lambda stages: max(s["peak"] for s in stages) <= budget)
+    if fits is None:
+        raise MemoryBudgetError(_too_big(longest, best, budget, config.layout, settings))
+    return {"train_mb_tokens": fits, "stages": best, "budget": budget, "whole_batch": fits >= most}
+
+
+def _smallest_budget(config: StepPlanConfig, longest: int) -> int:
+    """The smallest multiple of 64 tokens whose row holds the ``longest`` sequence (padded)."""
+    return -(-int(config.padded_lengths([longest])[0]) // 64) * 64
+
+
+def _largest_fitting(low: int, high: int, attempt: Callable, fits: Callable) -> tuple:
+    """``(tokens, attempt(tokens))`` for the largest multiple of 64 in ``[low, high]`` (``low`` one) whose
+    attempt ``fits``, bisecting (the peak grows with the budget); ``(None, attempt(low))`` when ``low``'s
+    does not fit (None when ``low`` is past ``high``)."""
+    if low > high:
+        return None, None
+    first = attempt(low)
+    if not fits(first):
+        return None, first
+    best = (low, first)
+    lo, hi = low // 64 + 1, -(-high // 64)
+    while lo <= hi:
         mid = (lo + hi) // 2
-        stages = peaks(mid * 64)
-        if max(s["peak"] for s in stages) <= budget:
-            fits, best, lo = mid * 64, stages, mid + 1
+        result = attempt(mid * 64)
+        if fits(result):
+            best, lo = (mid * 64, result), mid + 1
         else:
             hi = mid - 1
-    return {"train_mb_tokens": fits, "stages": best, "budget": budget, "whole_batch": fits >= most}
+    return best
 
 
 def _too_big(longest: int, stages: list[dict], budget: int, layout: ParallelLayout, settings: MemorySettings) -> str:

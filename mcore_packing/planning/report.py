@@ -26,7 +26,7 @@ from .shared_prefix import SharedPrefix
 from .step_config import StepPlanConfig
 from .step_plan import plan_step
 
-__all__ = ["recommend_budget", "summarize", "summarize_dynamic_cp"]
+__all__ = ["global_batch_bounds", "recommend_budget", "summarize", "summarize_dynamic_cp"]
 
 
 @dataclass
@@ -142,7 +142,7 @@ def summarize(
     group's prompt laid out once (`planning.shared_prefix`); the summary's ``shared_prefix`` then says the
     tokens and the predicted cost with and without it.
     """
-    bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
+    bounds = global_batch_bounds(lengths.size, global_batch_size, batch_sizes)
     show = progress and len(bounds) >= 200 and sys.stderr.isatty()
     tally = _Tally(dp=config.layout.dp)
     began = time.time()
@@ -158,7 +158,7 @@ def summarize(
     return _summary(lengths, config, model, tally, len(bounds))
 
 
-def _cuts(total: int, global_batch_size: int, batch_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
+def global_batch_bounds(total: int, global_batch_size: int, batch_sizes: Sequence[int] | None) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` of the batches: ``batch_sizes`` (which must add up to ``total``), else
     consecutive runs of ``global_batch_size`` (0: one batch)."""
     if batch_sizes is None:
@@ -226,7 +226,7 @@ def recommend_budget(
     point of the best tried: for packing the fill of the row capacity (real tokens / micro-batches x
     capacity), for dynamic batching the useful share of computed tokens. Larger budgets mean fewer,
     bigger micro-batches (less per-micro-batch overhead) and more activation memory."""
-    cuts = _cuts(lengths.size, global_batch_size, batch_sizes)[:20]  # the first 20 batches
+    cuts = global_batch_bounds(lengths.size, global_batch_size, batch_sizes)[:20]  # the first 20 batches
     end = cuts[-1][1]
     padded = base.padded_lengths(lengths)
     longest = int(padded.max())
@@ -277,7 +277,7 @@ def summarize_dynamic_cp(
     micro = static_micro = 0
     tokens = np.zeros((2, 2))  # [dynamic, static] x [real, padded]
     worst = 0.0  # the slowest rank's finish over the mean, the worst step
-    bounds = _cuts(lengths.size, global_batch_size, batch_sizes)
+    bounds = global_batch_bounds(lengths.size, global_batch_size, batch_sizes)
     for lo, hi in bounds:
         part = None if groups is None else list(groups[lo:hi])
         plan = plan_dynamic_cp(lengths[lo:hi], dynamic_config, groups=part)
