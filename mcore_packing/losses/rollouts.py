@@ -1,7 +1,8 @@
 """Rollouts for the policy step: checked, turned into training samples, and given GRPO advantages.
 
 A `Rollout` is one sampled response: the prompt's tokens, the response's tokens, its reward, the group
-(the prompt it answers) and optionally the inference engine's per-token log-probs of the response.
+(the prompt it answers) and optionally the inference engine's per-token log-probs of the response and,
+for Mixture-of-Experts router replay, the experts it chose for every token (``routed_experts``).
 `check_rollouts` refuses what would silently corrupt a step (an empty response, a NaN reward, log-probs
 of the wrong length, a group of one under GRPO), naming the rollout and the fix.
 """
@@ -25,6 +26,7 @@ __all__ = [
     "check_group_sizes",
     "check_rollout",
     "check_rollouts",
+    "check_routed_experts",
     "group_members",
     "grpo_advantages",
     "minibatches",
@@ -45,6 +47,7 @@ class Rollout:
     reward: float
     group_id: int | str
     generation_logprobs: Sequence[float] | None = None  # one per response token
+    routed_experts: np.ndarray | None = None  # [prompt + response tokens (or one fewer), moe_layers, top_k]
 
 
 def read_rollouts_jsonl(path: str) -> list[Rollout]:
@@ -73,7 +76,31 @@ def rollout_from_record(record: dict, where: str) -> Rollout:
     missing = [k for k in _FIELDS if k not in record]
     if missing:
         raise ValueError(f"{where} lacks {missing}; each line needs {list(_FIELDS)}.")
-    return Rollout(**{k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record})
+    fields = {k: record[k] for k in (*_FIELDS, "generation_logprobs") if k in record}
+    if record.get("routed_experts") is not None:
+        fields["routed_experts"] = routes_array(record["routed_experts"], where)
+    return Rollout(**fields)
+
+
+ROUTES_SHAPE = "[tokens, moe_layers, top_k] (tokens: prompt + response, or one fewer)"
+
+
+def routes_array(value, where: str) -> np.ndarray:
+    """``routed_experts`` as an int16 array ``[tokens, moe_layers, top_k]`` (what SGLang's and vLLM's
+    routed-experts export holds per request), or a `ValueError` naming ``where``: ragged lists, other
+    dimensions, non-integers."""
+    try:
+        array = np.asarray(value)
+    except ValueError:  # ragged nested lists
+        array = None
+    if array is None or array.ndim != 3 or not (np.issubdtype(array.dtype, np.integer) or array.size == 0):
+        shape = "ragged" if array is None else f"of shape {list(array.shape)} ({array.dtype})"
+        raise ValueError(f"{where}: routed_experts is {shape}; give integers of shape {ROUTES_SHAPE}, the expert ids "
+                         "the engine chose for each token in each MoE layer.")  # fmt: skip
+    if array.size and (array.min() < 0 or array.max() > np.iinfo(np.int16).max):
+        bad = int(array.min() if array.min() < 0 else array.max())
+        raise ValueError(f"{where}: routed_experts holds expert id {bad}; expert ids are 0 .. num_experts - 1.")
+    return array.astype(np.int16)
 
 
 def group_members(group_ids: Sequence) -> dict:
@@ -149,6 +176,8 @@ def check_rollout(r: Rollout, where: str) -> None:
             f"{where} has {len(r.generation_logprobs)} generation log-probs for {len(r.response_tokens)} "
             "response tokens: give one per response token (or none)."
         )
+    if r.routed_experts is not None:
+        _check_routes(r, where)
     if r.generation_logprobs is not None and not all(
         isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0 for v in r.generation_logprobs
     ):
@@ -157,6 +186,42 @@ def check_rollout(r: Rollout, where: str) -> None:
             f"{where} (group {r.group_id!r}): generation_logprobs must be numbers <= 0 (log of a "
             f"probability); the largest is {worst!r}. Pass log-probs, not probabilities."
         )
+
+
+def _check_routes(r: Rollout, where: str) -> None:
+    """One row per token (the last may be missing) and ``top_k`` different experts per (token, layer)."""
+    routes, n = routes_array(r.routed_experts, where), len(r.prompt_tokens) + len(r.response_tokens)
+    if routes.shape[0] not in (n, n - 1):
+        raise ValueError(f"{where} (group {r.group_id!r}): routed_experts has {routes.shape[0]} rows for {n} tokens "
+                         f"(prompt + response); give {ROUTES_SHAPE}.")  # fmt: skip
+    ordered = np.sort(routes, axis=-1)
+    repeated = np.argwhere((ordered[..., 1:] == ordered[..., :-1]).any(-1))
+    if len(repeated):
+        token, layer = (int(v) for v in repeated[0])
+        experts = routes[token, layer].tolist()
+        raise ValueError(f"{where} (group {r.group_id!r}): routed_experts names experts {experts} for token {token} "
+                         f"in MoE layer {layer}: a token's top-k are k different experts.")  # fmt: skip
+
+
+def check_routed_experts(rollouts: Sequence[Rollout], *, moe_layers: int, topk: int, num_experts: int,
+                         names: Sequence[str] | None = None) -> None:  # fmt: skip
+    """Router replay: every rollout carries ``routed_experts`` for this model (``moe_layers`` MoE layers,
+    ``topk`` experts per token, ids below ``num_experts``); the first problem is a `ValueError` naming the
+    rollout (``names[i]``, e.g. ``file:line``) and the fix."""
+    for i, r in enumerate(rollouts):
+        where = names[i] if names is not None else f"rollout {i}"
+        if r.routed_experts is None:
+            raise ValueError(f"{where} (group {r.group_id!r}) has no routed_experts; router replay needs every "
+                             "rollout's routes: have the engine return them (SGLang --enable-return-routed-experts), "
+                             "or set grpo.router_replay=false.")  # fmt: skip
+        routes = np.asarray(r.routed_experts)
+        _, layers, k = routes.shape
+        if (layers, k) != (moe_layers, topk):
+            raise ValueError(f"{where}: routed_experts is [tokens, {layers}, {k}] but the model has {moe_layers} MoE "
+                             f"layers and top-{topk} routing; record the routes with this model.")  # fmt: skip
+        if routes.size and int(routes.max()) >= num_experts:
+            raise ValueError(f"{where}: routed_experts names expert {int(routes.max())}, but the model has "
+                             f"{num_experts} experts (ids 0 .. {num_experts - 1}).")  # fmt: skip
 
 
 def grpo_advantages(rewards: Sequence[float], group_ids: Sequence, *, leave_one_out: bool = False,
@@ -175,14 +240,15 @@ def grpo_advantages(rewards: Sequence[float], group_ids: Sequence, *, leave_one_
     return out
 
 
-def rollout_samples(rollouts: Sequence[Rollout]) -> list[SequenceSample]:
-    """prompt + response as one sequence, learning only the response's tokens."""
+def rollout_samples(rollouts: Sequence[Rollout], *, routes: bool = False) -> list[SequenceSample]:
+    """prompt + response as one sequence, learning only the response's tokens; ``routes``: with each
+    rollout's ``routed_experts`` (router replay)."""
     samples = []
     for r in rollouts:
         tokens = np.asarray([*r.prompt_tokens, *r.response_tokens], dtype=np.int64)
         mask = np.zeros(len(tokens), dtype=np.float32)
         mask[len(r.prompt_tokens) :] = 1.0
-        samples.append(SequenceSample(tokens, mask))
+        samples.append(SequenceSample(tokens, mask, r.routed_experts if routes else None))
     return samples
 
 

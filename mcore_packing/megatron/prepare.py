@@ -61,6 +61,8 @@ class PreparedMicroBatch:
     sequence_lengths: torch.Tensor | None = None  # the real lengths on the device (MoE: the balance loss)
     shared: SharedPrefixRow | None = None  # a shared-prefix row: ``packed`` holds its segments, this the samples
     extra_rows: torch.Tensor | None = None  # a shared-prefix row's extra targets: the row positions they score
+    routes: torch.Tensor | None = None  # like ``tokens`` with [moe_layers, top_k] per token (int64): the
+    # samples' ``routed_experts`` for router replay, -1 where a token has none (pads)
 
     @property
     def padding_mask(self) -> torch.Tensor | None:
@@ -105,7 +107,29 @@ def prepare_micro_batch(
 
 
 _TENSOR_FIELDS = ("tokens", "position_ids", "labels", "loss_mask", "weights", "full_loss_mask", "segments",
-                  "sequence_lengths", "extra_rows")  # fmt: skip
+                  "sequence_lengths", "extra_rows", "routes")  # fmt: skip
+
+
+def _routes(chosen, starts, width: int) -> torch.Tensor | None:
+    """The samples' ``routed_experts`` laid out like their tokens: ``[width, layers, k]`` with sample ``i``'s
+    rows from ``starts[i]``, -1 elsewhere (pads, a missing last row, a sample without routes); None when
+    no sample has routes."""
+    given = [(start, s.routed_experts) for start, s in zip(starts, chosen, strict=True) if s.routed_experts is not None]
+    if not given:
+        return None
+    for s in chosen:
+        if s.routed_experts is not None and len(s.routed_experts) not in (len(s.tokens), len(s.tokens) - 1):
+            raise ValueError(f"a sample of {len(s.tokens)} tokens has {len(s.routed_experts)} rows of routed_experts; "
+                             "give one per token (the last may be left out).")  # fmt: skip
+    shapes = {tuple(r.shape[1:]) for _, r in given}
+    if len(shapes) > 1:
+        raise ValueError(f"the micro-batch's routed_experts have different [moe_layers, top_k] {sorted(shapes)}; "
+                         "record every sample's routes with the same model.")  # fmt: skip
+    out = torch.full((width, *shapes.pop()), -1, dtype=torch.int64)
+    for start, r in given:
+        rows = torch.as_tensor(r, dtype=torch.int64)
+        out[start : start + rows.shape[0]] = rows
+    return out
 
 
 def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_token_id, segments):
@@ -137,9 +161,13 @@ def _prepare_thd(mb, chosen, plan, process_groups, totals, normalization, pad_to
         for i, (start, length) in enumerate(zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False)):
             seg[start : start + length] = i
         seg = (seg if index is None else seg[index])[None]
+    starts = batch.cu_seqlens_padded.tolist()[: len(chosen)]
+    routes = _routes(chosen, starts, batch.total_tokens) if shared is None else None
+    if routes is not None:
+        routes = (routes if index is None else routes[index])[None]
     thd = thd_fields(local, cu_entries=config.cu_seqlens_entries(batch.total_tokens))
     host = dict(tokens=local.tokens, position_ids=local.position_ids, labels=local.labels, loss_mask=local.loss_mask,
-                weights=weights, full_loss_mask=batch.loss_mask[0], segments=seg)  # fmt: skip
+                weights=weights, full_loss_mask=batch.loss_mask[0], segments=seg, routes=routes)  # fmt: skip
     fields = dict(packed=batch, sample_ids=batch.sample_ids, real_lengths=batch.seq_lengths, thd=thd, local=local,
                   local_valid_tokens=int(local.loss_mask.sum().item()))  # fmt: skip
     if shared is not None:  # the samples are not the row's sequences: each is its context and its segment
@@ -174,6 +202,9 @@ def _prepare_bshd(mb, chosen, plan, process_groups, totals, normalization, pad_t
                 labels=split(torch.cat([b.labels for b in built])), loss_mask=local_mask,
                 weights=split(weights) if weights is not None else None, full_loss_mask=loss_mask,
                 segments=_bshd_segments(built, width, split) if segments else None)  # fmt: skip
+    routes = _routes(chosen, range(0, rows * width, width), rows * width)  # row i's tokens start at i * width
+    if routes is not None:
+        host["routes"] = split(routes.reshape(rows, width, *routes.shape[1:]))
     fields = dict(packed=None, sample_ids=mb.sample_indices, real_lengths=tuple(b.seq_lengths[0] for b in built),
                   local_valid_tokens=int(local_mask.sum().item()))  # fmt: skip
     return host, fields

@@ -20,7 +20,8 @@ hook on every router recomputes the logits of its tokens (the router's own ``gat
 per sequence and all-reduces the counts over the tensor x context parallel group (sequence-parallel and
 CP shards of a sequence live there), and sums ``S_si`` over its own tokens only: the loss is linear in S,
 so each rank's share is a sum of its tokens' terms and the shares of all ranks and micro-batches add up to
-the loss above. Pads never enter (segment -1).
+the loss above. Pads never enter (segment -1). Under router replay (`router_replay`) ``c_si`` counts the
+experts the layer dispatched to, the replayed ones.
 
 The gradient. Each share is attached to the router's output with Megatron's ``MoEAuxLossAutoScaler``, the
 same path Megatron's own aux loss takes (so pipeline stages and fp16 loss scaling need nothing more),
@@ -171,7 +172,9 @@ class RouterLoss:
         share = logits.new_zeros(())
         values = []
         if self.config.balance_on:
-            balance = self._balance_share(router, logits, segments.clamp_min(0), pads, num_experts)
+            replayed = getattr(getattr(router, "router_replay", None), "target", None) is not None
+            used = routing_map.reshape(-1, num_experts) if replayed else None  # router replay: the replayed map
+            balance = self._balance_share(router, logits, segments.clamp_min(0), pads, num_experts, used)
             share = share + self.config.balance_coeff * balance / step.num_sequences
             values.append(balance.detach() / step.num_sequences)
         else:
@@ -189,14 +192,18 @@ class RouterLoss:
 
         return MoEAuxLossAutoScaler.apply(probs, share * step.output_scale), routing_map
 
-    def _balance_share(self, router, logits, index, pads, num_experts) -> torch.Tensor:
+    def _balance_share(self, router, logits, index, pads, num_experts, used=None) -> torch.Tensor:
         """This rank's share of sum_s E / (K T_s^2) sum_i c_si S_si over the micro-batch's sequences. The
-        scores and the (bias-free) top-k are Megatron's own for its aux losses; pads choose no expert."""
+        scores and the (bias-free) top-k are Megatron's own for its aux losses; under router replay
+        (``used``: the routing map the layer dispatched) c_si counts the replayed experts. Pads choose no
+        expert."""
         from megatron.core.transformer.moe.moe_utils import compute_routing_scores_for_aux_loss
 
         topk = router.topk
         chosen, scores = compute_routing_scores_for_aux_loss(logits, topk, router.score_function, padding_mask=pads)
         real = (~pads).unsqueeze(-1)
+        if used is not None:
+            chosen = used & real
         num_sequences = self._lengths.numel()
         counts = scores.new_zeros(num_sequences, num_experts).index_add(0, index, chosen.to(scores.dtype))
         if self.reduce_group is not None:

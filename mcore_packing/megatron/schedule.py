@@ -45,6 +45,7 @@ from ..thd.loss_weights import StepTotals, megatron_loss_output
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
 from .router_loss import attached_router_loss
+from .router_replay import attached_router_replay
 from .shared_prefix import attach_shared_prefix, score_extra_rows, shared_prefix_of
 from .step_loss import StepLoss, TokenMeanNLL, entropy_for, micro_batch_share
 
@@ -229,8 +230,9 @@ def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = Tr
         extra = {} if mask is None else {"padding_mask": mask}
         router_loss = attached_router_loss(model_chunk)
         if router_loss is not None and prep.segments is not None:
-            router_loss.begin_micro_batch(_router_segments(prep, model_chunk, process_groups),
+            router_loss.begin_micro_batch(_router_order(prep.segments, model_chunk, process_groups),
                                           prep.sequence_lengths)  # fmt: skip
+        _replay_routes(prep, model_chunk, process_groups)
         if prep.shared is not None and shared_prefix_of(prep.packed_seq_params) is None:  # once per micro-batch
             attach_shared_prefix(prep.packed_seq_params, prep.shared, _rotary(model_chunk), prep.tokens.device)
         with score_extra_rows(model_chunk, prep.extra_rows if labels else None):  # a shared prompt's last token
@@ -310,13 +312,25 @@ def _router_padding_mask(prep, model_chunk, process_groups: ProcessGroups):
     return mask
 
 
-def _router_segments(prep, model_chunk, process_groups: ProcessGroups) -> torch.Tensor:
-    """The micro-batch's segments in the order this stage's routers see the tokens: ``[seq, batch]``
-    flattened, this TP rank's sequence slice under sequence parallelism (every stage)."""
-    segments = prep.segments
+def _router_order(tensor: torch.Tensor, model_chunk, process_groups: ProcessGroups) -> torch.Tensor:
+    """A per-token ``[batch, seq, ...]`` tensor of the micro-batch (segments, routes) in the order this
+    stage's routers see the tokens: ``[seq, batch]`` flattened, this TP rank's sequence slice under
+    sequence parallelism (every stage)."""
     if _sequence_parallel(model_chunk):
-        segments = _tp_rank_share(segments, process_groups)
-    return segments.transpose(0, 1).reshape(-1)
+        tensor = _tp_rank_share(tensor, process_groups)
+    return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
+
+
+def _replay_routes(prep, model_chunk, process_groups: ProcessGroups) -> None:
+    """Hand the chunk's `router_replay.RouterReplay` this micro-batch's routes (None: route afresh); routes
+    on a model without one are refused rather than ignored."""
+    replay = attached_router_replay(model_chunk)
+    if replay is None:
+        if prep.routes is not None:
+            raise ValueError("the samples carry routed_experts but the model replays no routes: call "
+                             "install_router_replay(model) (megatron.router_replay), or drop the samples' routes.")
+        return
+    replay.begin_micro_batch(None if prep.routes is None else _router_order(prep.routes, model_chunk, process_groups))
 
 
 def _sequence_parallel(model_chunk) -> bool:
