@@ -120,3 +120,67 @@ def test_a_split_dependent_balance_loss_is_refused_and_the_per_sequence_one_is_r
     shape = prepare_run(compose_config(None, base), 1).shape  # control: the default, seq_aux_loss, runs
     # the run's setting, not config.json's
     assert (shape.moe_load_balancing, shape.moe_aux_loss_coeff) == ("seq_aux_loss", 0.01)
+
+
+def _replay_rollouts(path, moe_layers: int = 1, change=None):
+    """make_rollouts' rollouts with seeded routes [tokens, moe_layers, 2] (2 of the 4 experts per token)."""
+    import numpy as np
+
+    from .rl_workers import make_rollouts
+
+    rng = np.random.default_rng(3)
+    rows = []
+    for r in make_rollouts(groups=4, per_group=2):
+        n = len(r.prompt_tokens) + len(r.response_tokens)
+        routes = np.stack([rng.permutation(4)[:2] for _ in range(n * moe_layers)]).reshape(n, moe_layers, 2)
+        rows.append({"prompt_tokens": r.prompt_tokens, "response_tokens": r.response_tokens, "reward": r.reward,
+                     "group_id": r.group_id, "routed_experts": routes.tolist()})  # fmt: skip
+    if change is not None:
+        change(rows)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+REPLAY = ["algorithm=grpo", "grpo.router_replay=true", "grpo.num_prompts_per_step=2", "training.steps=2",
+          "loss_fn.reference_policy_kl_penalty=0.05", "sequence_packing.train_mb_tokens=64", "optimizer.lr=0.001"]  # fmt: skip
+
+
+def test_grpo_replays_the_engines_routes_and_reports_how_often_fresh_routing_differs(tmp_path, moe_model):
+    rollouts = _replay_rollouts(tmp_path / "r.jsonl")
+    proc = train(tmp_path / "run", f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = metrics(tmp_path / "run")
+    # random routes: fresh top-2 of 4 matches a random pair 1 time in 6, so most choices differ
+    assert all(0.5 < r["router_replay_mismatch"] < 1.0 for r in records), records
+
+
+@pytest.mark.parametrize(
+    ("change", "overrides", "fragment"),
+    [
+        (lambda rows: rows[2].pop("routed_experts"), [], "r.jsonl:3 (group 1) has no routed_experts"),
+        (lambda rows: rows[1]["routed_experts"][0][0].__setitem__(1, rows[1]["routed_experts"][0][0][0]), [],
+         "r.jsonl:2 (group 0): routed_experts names experts"),
+        (lambda rows: rows[0]["routed_experts"].append([[0, 1]] * 1), [], "r.jsonl:1 (group 0): routed_experts has"),
+        (lambda rows: rows[3]["routed_experts"][4][0].__setitem__(0, 7), [], "r.jsonl:4: routed_experts names expert 7"),
+        (lambda rows: rows[0]["routed_experts"][1].append([2, 3]), [], "r.jsonl:1: routed_experts is ragged"),
+        (None, ["model.recompute_granularity=full"], "grpo.router_replay=true: a fully recomputed forward"),
+    ],
+)
+def test_bad_routes_exit_2_naming_the_line(tmp_path, moe_model, change, overrides, fragment):
+    rollouts = _replay_rollouts(tmp_path / "r.jsonl", change=change)
+    proc = train(tmp_path / "run", f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY, *overrides,
+                 "--dry-run")  # fmt: skip
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert fragment in proc.stderr, proc.stderr[-2000:]
+
+
+def test_routes_for_another_model_are_refused(tmp_path, moe_model):
+    rollouts = _replay_rollouts(tmp_path / "r.jsonl", moe_layers=2)
+    proc = train(tmp_path / "run", f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY, "--dry-run")
+    assert proc.returncode == 2 and "routed_experts is [tokens, 2, 2] but the model has 1 MoE layers" in proc.stderr
+
+
+def test_router_replay_on_a_dense_model_is_refused(tmp_path):
+    rollouts = _replay_rollouts(tmp_path / "r.jsonl")
+    proc = train(tmp_path / "run", f"grpo.rollouts={rollouts}", *REPLAY, "--dry-run")
+    assert proc.returncode == 2 and "grpo.router_replay=true replays the experts of a Mixture-of-Experts" in proc.stderr

@@ -110,6 +110,7 @@ def build_model(cfg: TrainConfig, shape: ModelShape, layout, *, optimizer=None, 
         head=getattr(get_algorithm(cfg.algorithm), "HEAD", "lm"),
         logprob_chunk_size=cfg.model.logprob_chunk_size,
         recompute=cfg.model.recompute_granularity,
+        router_replay=cfg.algorithm == "grpo" and cfg.grpo.router_replay,
     )
 
 

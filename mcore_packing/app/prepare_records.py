@@ -127,6 +127,9 @@ def _encode_pairs(objects: list, tokenizer, settings: dict) -> dict:
 
 
 def _one_rollout(where: str, obj: dict):
+    if obj.get("routed_experts") is not None:
+        raise ValueError(f"{where} carries routed_experts, which a prepared store does not hold yet: train router "
+                         "replay from the JSONL (grpo.rollouts=FILE), or drop the key.")  # fmt: skip
     rollout = rollout_from_record(obj, where)
     check_rollout(rollout, where)
     return rollout

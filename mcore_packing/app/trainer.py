@@ -314,16 +314,16 @@ def _announce_draws(cfg: TrainConfig, inputs: RunInputs, rank: int) -> None:
 
 
 def _moe_meters(policy, shape: ModelShape) -> list:
-    """The step's meters of an MoE model (none for a dense one): the expert load, and the router losses
-    when the model trains with them."""
+    """The step's meters of an MoE model (none for a dense one): the expert load, the router losses when
+    the model trains with them, and router replay's mismatch when it replays."""
     if not shape.is_moe:
         return []
     from ..megatron.expert_load import ExpertLoadMeter
     from ..megatron.router_loss import attached_router_loss
+    from ..megatron.router_replay import attached_router_replay
 
-    router_loss = attached_router_loss(policy.model)
-    meters = [ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts)]
-    return meters + ([router_loss] if router_loss is not None else [])
+    extra = [m for m in (attached_router_loss(policy.model), attached_router_replay(policy.model)) if m is not None]
+    return [ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts), *extra]
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:

@@ -64,6 +64,7 @@ def build_policy(
     head: str = "lm",
     logprob_chunk_size: int | None = None,
     recompute: str | None = None,
+    router_replay: bool = False,
 ) -> Policy:
     """The GPTModel of ``shape`` on ``layout`` (Megatron's parallel state initialized for it) with the
     weights of ``hf_path`` (this rank's slices), else the seeded initialization (`seeded_init`: a
@@ -77,7 +78,8 @@ def build_policy(
     its ``score.weight`` when the folder has one, else the seeded head on the checkpoint's body).
     ``logprob_chunk_size``: the output layer and the loss that many tokens at a time in every pass
     (`chunked_logprobs.chunk_logprobs`; None: whole logits). ``recompute``: Megatron's recompute_granularity
-    (None, "selective", "full": `model.transformer_config`)."""
+    (None, "selective", "full": `model.transformer_config`). ``router_replay``: an MoE model routes each
+    token to the experts its sample's ``routed_experts`` name (`router_replay.install_router_replay`)."""
     from .chunked_logprobs import chunk_logprobs
     from .hf_weights import load_hf_weights
     from .model import build_gpt_chunks
@@ -113,6 +115,12 @@ def build_policy(
         info["tensors_read"] = sum(load_hf_weights(chunk, shape, hf_path, **ranks)["tensors_read"] for chunk in chunks)
     if logprob_chunk_size is not None:
         chunk_logprobs(model, logprob_chunk_size)
+    if router_replay:
+        if not shape.is_moe:
+            raise ValueError("router_replay=True replays the experts of a Mixture-of-Experts model; this shape is dense.")
+        from .router_replay import install_router_replay
+
+        install_router_replay(model)
     built, scheduler = (None, None) if optimizer is None else optimizer(model)
     if optimizer is None:
         for chunk in chunks:

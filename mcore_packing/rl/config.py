@@ -21,6 +21,9 @@ class GRPOConfig:
     divided by it, `megatron.logits_temperature`). With ``shared_prefix`` every pass lays a group out as
     its prompt once and its responses after it (`thd.shared_prefix`; packing or dynamic batching, cp=1, the
     built-in attention, dense models), exact, computing ``P + sum(R)`` tokens instead of ``G P + sum(R)``.
+    With ``router_replay`` (Mixture-of-Experts models) every pass routes each token to the experts the
+    engine chose (each rollout's ``routed_experts``; `megatron.router_replay`), the policy's and the
+    reference's.
     A plain (not frozen) dataclass: Hydra fills it."""
 
     rollouts: str | None = None  # JSONL: prompt_tokens, response_tokens, reward, group_id[, generation_logprobs]
@@ -32,6 +35,7 @@ class GRPOConfig:
     num_minibatches: int = 1  # optimizer steps per GRPO step, each on whole groups against the same old log-probs
     temperature: float = 1.0  # the rollouts' sampling temperature (NeMo-RL: policy.generation.temperature)
     shared_prefix: bool = False  # a group's prompt laid out once for all its responses, in every pass
+    router_replay: bool = False  # MoE: route every token to the experts the engine chose (routed_experts)
 
     def __post_init__(self):
         t = self.temperature

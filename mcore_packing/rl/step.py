@@ -103,7 +103,7 @@ def rl_step(
         )
     check_rollouts(rollouts, grpo=True)
     _check_generation_logprobs(rollouts, loss)
-    samples = rollout_samples(rollouts)
+    samples = rollout_samples(rollouts, routes=grpo.router_replay)
     lengths = [len(s.tokens) for s in samples]
     group_ids = [r.group_id for r in rollouts]
     advantages = grpo_advantages([r.reward for r in rollouts], group_ids, leave_one_out=grpo.use_leave_one_out_baseline,

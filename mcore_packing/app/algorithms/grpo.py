@@ -13,6 +13,7 @@ from ...losses.rollouts import (
     Rollout,
     check_generation_logprobs,
     check_rollouts,
+    check_routed_experts,
     group_members,
     minibatches,
     read_rollouts_jsonl_located,
@@ -37,6 +38,22 @@ def check_config(cfg) -> None:
         )
     if cfg.grpo.shared_prefix:
         _check_shared_prefix(cfg)
+    if cfg.grpo.router_replay:
+        _check_router_replay(cfg)
+
+
+def _check_router_replay(cfg) -> None:
+    """``grpo.router_replay``: the rollouts' JSONL (a store holds no routes), no full recompute (the model
+    is checked with the data: `_load_jsonl`)."""
+    why = None
+    if cfg.data.prepared is not None:
+        why = ("prepared stores do not hold routed_experts yet: train from the JSONL (grpo.rollouts=FILE, "
+               "data.prepared=null)")  # fmt: skip
+    elif cfg.model.recompute_granularity == "full":
+        why = ("a fully recomputed forward could meet another micro-batch's routes: set "
+               "model.recompute_granularity=none or selective")  # fmt: skip
+    if why is not None:
+        raise ConfigError(f"grpo.router_replay=true: {why}, or set grpo.router_replay=false.", key="grpo.router_replay")
 
 
 def _check_shared_prefix(cfg) -> None:
@@ -116,9 +133,19 @@ def _load_jsonl(cfg) -> RunData:
         raise ConfigError(f"grpo.rollouts: {exc}") from None
     groups = list(group_members([r.group_id for r in rollouts]).values())
     largest = max(max(*r.prompt_tokens, *r.response_tokens, 0) for r in rollouts)
+    if grpo.router_replay:
+        shape = cfg.model.shape(int(largest) + 1)
+        if not shape.is_moe:
+            raise ConfigError("grpo.router_replay=true replays the experts of a Mixture-of-Experts model; this model is "
+                              "dense. Set grpo.router_replay=false.", key="grpo.router_replay")  # fmt: skip
+        try:
+            check_routed_experts(rollouts, moe_layers=sum(shape.moe_layers()), topk=shape.moe_router_topk,
+                                 num_experts=shape.num_experts, names=names)  # fmt: skip
+        except ValueError as exc:
+            raise ConfigError(f"grpo.rollouts: {exc}", key="grpo.router_replay") from None
     info = {"source": "rollouts", "path": grpo.rollouts, "rollouts": len(rollouts), "groups": len(groups),
             "tokenizer": "the rollouts' own token ids"}  # fmt: skip
-    return RunData(samples=rollout_samples(rollouts), vocab_size=int(largest) + 1, info=info, units=groups,
+    return RunData(samples=rollout_samples(rollouts, routes=grpo.router_replay), vocab_size=int(largest) + 1, info=info, units=groups,
                    records=rollouts, fingerprint_extra=[[r.reward, str(r.group_id)] for r in rollouts])  # fmt: skip
 
 
