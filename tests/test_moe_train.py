@@ -142,7 +142,8 @@ def _replay_rollouts(path, moe_layers: int = 1, change=None):
 
 
 REPLAY = ["algorithm=grpo", "grpo.router_replay=true", "grpo.num_prompts_per_step=2", "training.steps=2",
-          "loss_fn.reference_policy_kl_penalty=0.05", "sequence_packing.train_mb_tokens=64", "optimizer.lr=0.001"]  # fmt: skip
+          "loss_fn.reference_policy_kl_penalty=0.05", "sequence_packing.train_mb_tokens=64",
+          "optimizer.lr=0.001"]  # fmt: skip
 
 
 def test_grpo_replays_the_engines_routes_and_reports_how_often_fresh_routing_differs(tmp_path, moe_model):
@@ -161,7 +162,8 @@ def test_grpo_replays_the_engines_routes_and_reports_how_often_fresh_routing_dif
         (lambda rows: rows[1]["routed_experts"][0][0].__setitem__(1, rows[1]["routed_experts"][0][0][0]), [],
          "r.jsonl:2 (group 0): routed_experts names experts"),
         (lambda rows: rows[0]["routed_experts"].append([[0, 1]] * 1), [], "r.jsonl:1 (group 0): routed_experts has"),
-        (lambda rows: rows[3]["routed_experts"][4][0].__setitem__(0, 7), [], "r.jsonl:4: routed_experts names expert 7"),
+        (lambda rows: rows[3]["routed_experts"][4][0].__setitem__(0, 7), [],
+         "r.jsonl:4: routed_experts names expert 7"),
         (lambda rows: rows[0]["routed_experts"][1].append([2, 3]), [], "r.jsonl:1: routed_experts is ragged"),
         (None, ["model.recompute_granularity=full"], "grpo.router_replay=true: a fully recomputed forward"),
     ],

@@ -30,6 +30,8 @@ Importing this package imports megatron-core; the packing and planning layers do
   (no whole fp32 ``[T, V/TP]`` logits; ``model.logprob_chunk_size``).
 - `reward_head`: `RewardHead`, a reward model's score head in place of the output layer (``head="reward"``).
 - `entropy`: `vocab_parallel_entropy` / `capture_entropy`, the policy's exact token entropy, chunked.
+- `router_replay`: `install_router_replay` / `RouterReplay`, an MoE model routing each token to the experts its
+  sample's ``routed_experts`` name (RL's router replay).
 - `schedule`: `forward_backward` (forward and backward of a plan), `compute_logprobs`.
 - `policy`: `Policy` (model chunks, optimizer, schedule, process groups, device) and `build_policy`, the
   one builder of a policy and of its frozen reference.
@@ -55,6 +57,7 @@ from .packed_seq import ThdLayout, thd_layout, to_packed_seq_params
 from .policy import Policy, build_policy
 from .prepare import PreparedMicroBatch, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, verify_plan_across_ranks
+from .router_replay import RouterReplay, install_router_replay
 from .schedule import StepResult, compute_logprobs, forward_backward
 from .seeded_init import seeded_init_
 from .step_loss import (
@@ -84,6 +87,7 @@ __all__ = [
     "Policy",
     "PreparedMicroBatch",
     "ProcessGroups",
+    "RouterReplay",
     "SequenceMeanNLL",
     "StepLoss",
     "StepOutcome",
@@ -101,6 +105,7 @@ __all__ = [
     "get_packed_gpt_block_spec",
     "get_packed_gpt_layer_spec",
     "initialize_parallel",
+    "install_router_replay",
     "logits_temperature",
     "nll_loss",
     "per_sample_logprobs",

@@ -117,7 +117,7 @@ def build_policy(
         chunk_logprobs(model, logprob_chunk_size)
     if router_replay:
         if not shape.is_moe:
-            raise ValueError("router_replay=True replays the experts of a Mixture-of-Experts model; this shape is dense.")
+            raise ValueError("router_replay=True replays the experts of an MoE model; this shape is dense.")
         from .router_replay import install_router_replay
 
         install_router_replay(model)

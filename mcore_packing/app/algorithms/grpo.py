@@ -136,8 +136,8 @@ def _load_jsonl(cfg) -> RunData:
     if grpo.router_replay:
         shape = cfg.model.shape(int(largest) + 1)
         if not shape.is_moe:
-            raise ConfigError("grpo.router_replay=true replays the experts of a Mixture-of-Experts model; this model is "
-                              "dense. Set grpo.router_replay=false.", key="grpo.router_replay")  # fmt: skip
+            raise ConfigError("grpo.router_replay=true replays the experts of a Mixture-of-Experts model; this model "
+                              "is dense. Set grpo.router_replay=false.", key="grpo.router_replay")  # fmt: skip
         try:
             check_routed_experts(rollouts, moe_layers=sum(shape.moe_layers()), topk=shape.moe_router_topk,
                                  num_experts=shape.num_experts, names=names)  # fmt: skip
@@ -145,7 +145,8 @@ def _load_jsonl(cfg) -> RunData:
             raise ConfigError(f"grpo.rollouts: {exc}", key="grpo.router_replay") from None
     info = {"source": "rollouts", "path": grpo.rollouts, "rollouts": len(rollouts), "groups": len(groups),
             "tokenizer": "the rollouts' own token ids"}  # fmt: skip
-    return RunData(samples=rollout_samples(rollouts, routes=grpo.router_replay), vocab_size=int(largest) + 1, info=info, units=groups,
+    samples = rollout_samples(rollouts, routes=grpo.router_replay)
+    return RunData(samples=samples, vocab_size=int(largest) + 1, info=info, units=groups,
                    records=rollouts, fingerprint_extra=[[r.reward, str(r.group_id)] for r in rollouts])  # fmt: skip
 
 
