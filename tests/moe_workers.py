@@ -27,10 +27,14 @@ BALANCE = 0.1
 Z_LOSS = 0.01
 
 
-def moe_model_config(*, tp=1, pp=1, cp=1, ep=1, sp=False, variable_seq_lengths=False, per_token_loss=False):
+def moe_model_config(*, tp=1, pp=1, cp=1, ep=1, sp=False, variable_seq_lengths=False, per_token_loss=False, vpp=1):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    extra = {}
+    if vpp > 1:  # the interleaved schedule's settings (as mcore_packing.megatron.model sets them)
+        extra = dict(virtual_pipeline_model_parallel_size=vpp, overlap_p2p_comm=True, batch_p2p_comm=False)
     return TransformerConfig(
+        **extra,
         num_layers=NUM_LAYERS,
         hidden_size=64,
         num_attention_heads=4,
@@ -62,7 +66,7 @@ def moe_model_config(*, tp=1, pp=1, cp=1, ep=1, sp=False, variable_seq_lengths=F
     )
 
 
-def _init(tp=1, pp=1, cp=1, ep=1):
+def _init(tp=1, pp=1, cp=1, ep=1, vpp=1):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -73,7 +77,7 @@ def _init(tp=1, pp=1, cp=1, ep=1):
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=ep, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )  # fmt: skip
     model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True)
 
@@ -170,10 +174,11 @@ def _unshard(parts: list, name: str, param) -> torch.Tensor:
     return torch.cat(parts, dim=param.partition_dim)
 
 
-def _offsets(pp: int, ep: int):
+def _offsets(pp: int, ep: int, layer_offset: int | None = None):
     from megatron.core import parallel_state as ps
 
-    layer_offset = ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp)
+    if layer_offset is None:
+        layer_offset = ps.get_pipeline_model_parallel_rank() * (NUM_LAYERS // pp)
     expert_offset = ps.get_expert_model_parallel_rank() * (NUM_EXPERTS // ep)
     return layer_offset, expert_offset
 
@@ -219,16 +224,45 @@ def _whole_row_balance():
     return lambda: setattr(RouterLoss, "begin_micro_batch", original)
 
 
+def _build(cfg, tp, pp, cp, ep, vpp, state_dict):
+    """This rank's DDP-wrapped chunks (one without a virtual pipeline) with the reference's weights, and
+    each chunk's (layer, expert) offsets."""
+    from .step_workers import build_chunks, wrap_chunks_in_ddp
+
+    vsl = cfg.get("mode") == "dynamic" and pp > 1
+    config = moe_model_config(tp=tp, pp=pp, cp=cp, ep=ep, sp=tp > 1, variable_seq_lengths=vsl, vpp=vpp,
+                              per_token_loss=cfg.get("per_token_loss", False))  # fmt: skip
+    chunks = build_chunks(config, vpp) if vpp > 1 else [(build_stage(config), None)]
+    offsets = [_offsets(pp, ep, layer_offset) for _, layer_offset in chunks]
+    for (module, _), offset in zip(chunks, offsets, strict=True):
+        load_sharded(module, state_dict, offset)
+    modules = [module for module, _ in chunks]
+    ddp = wrap_chunks_in_ddp(config, modules) if vpp > 1 else [wrap_in_ddp(config, modules[0])]
+    return ddp, offsets, vsl
+
+
+def _row_counts_per_shard():
+    """Negative control for dynamic CP: each rank counts the expert choices of its own share of a row (the
+    counts are summed over no group)."""
+    from mcore_packing.megatron.router_loss import RouterLoss
+
+    original = RouterLoss.begin_micro_batch
+
+    def per_shard(self, segments, lengths, *, reduce_groups=None):
+        return original(self, segments, lengths, reduce_groups=[])
+
+    RouterLoss.begin_micro_batch = per_shard
+    return lambda: setattr(RouterLoss, "begin_micro_batch", original)
+
+
+_NEGATIVE = {"whole_row_balance": _whole_row_balance, "row_counts_per_shard": _row_counts_per_shard}
+
+
 def moe_step_worker(rank, world_size, configs, samples, state_dict):
-    """Run every config (tp, pp, cp, ep, mode, ...) on this world; rank 0 returns the results."""
+    """Run every config (tp, pp, cp, ep, vpp, dynamic_cp, mode, ...) on this world; rank 0 returns the results."""
     from megatron.core import parallel_state as ps
 
-    from mcore_packing.megatron import (
-        ProcessGroups,
-        cpu_device_adapter,
-        forward_backward,
-        nll_loss,
-    )
+    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, forward_backward, nll_loss
     from mcore_packing.megatron.router_loss import RouterLoss, RouterLossConfig
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
@@ -237,43 +271,46 @@ def moe_step_worker(rank, world_size, configs, samples, state_dict):
     lengths = [len(s["tokens"]) for s in samples]
     results = []
     for cfg in configs:
-        undo = _whole_row_balance() if cfg.get("negative") == "whole_row_balance" else (lambda: None)
-        tp, pp, cp, ep = cfg.get("tp", 1), cfg.get("pp", 1), cfg.get("cp", 1), cfg.get("ep", 1)
-        _init(tp, pp, cp, ep)
+        undo = _NEGATIVE[cfg["negative"]]() if cfg.get("negative") in _NEGATIVE else (lambda: None)
+        tp, pp, cp, ep, vpp = (cfg.get(k, 1) for k in ("tp", "pp", "cp", "ep", "vpp"))
+        _init(tp, pp, cp, ep, vpp)
         dp = world_size // (tp * pp * cp)
-        sp = tp > 1
-        vsl = cfg.get("mode") == "dynamic" and pp > 1
         with cpu_device_adapter():
-            config = moe_model_config(tp=tp, pp=pp, cp=cp, ep=ep, sp=sp, variable_seq_lengths=vsl,
-                                      per_token_loss=cfg.get("per_token_loss", False))  # fmt: skip
-            module = build_stage(config)
-            offsets = _offsets(pp, ep)
-            load_sharded(module, state_dict, offsets)
-            ddp = wrap_in_ddp(config, module)
+            ddp, offsets, vsl = _build(cfg, tp, pp, cp, ep, vpp, state_dict)
             pgs = ProcessGroups.from_megatron()
+            if cfg.get("dynamic_cp"):
+                pgs = pgs.with_dynamic_cp()
             reduce_group = None if cfg.get("negative") == "counts_per_cp_shard" else pgs.collection.tp_cp
-            router_loss = RouterLoss(ddp, RouterLossConfig(balance_coeff=BALANCE, z_coeff=Z_LOSS),
-                                     reduce_group=reduce_group, num_moe_layers=NUM_LAYERS)  # fmt: skip
+            losses_config = RouterLossConfig(balance_coeff=BALANCE, z_coeff=Z_LOSS)
+            router_losses = [RouterLoss(chunk, losses_config, reduce_group=reduce_group, num_moe_layers=NUM_LAYERS)
+                             for chunk in ddp]  # fmt: skip
             plan_config = StepPlanConfig(
                 mode=cfg.get("mode", "packing"),
                 train_mb_tokens=cfg.get("train_mb_tokens", 96),
-                layout=ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=sp),
+                layout=ParallelLayout(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sequence_parallel=tp > 1, vpp=vpp),
                 fixed_length=None if not vsl else False,
+                dynamic_cp=cfg.get("dynamic_cp", False),
             )
             plan = plan_step(lengths, plan_config)
-            result = forward_backward(ddp, seq_samples, plan, pgs, loss=nll_loss("token_mean"), device="cpu")
-            metrics = router_loss.metrics()
-            grads = collect_full_grads(ddp, offsets)
-            router_loss.remove()
+            model = ddp if vpp > 1 else ddp[0]
+            result = forward_backward(model, seq_samples, plan, pgs, loss=nll_loss("token_mean"), device="cpu")
+            metrics = [router_loss.metrics() for router_loss in router_losses]  # a sum over the chunks
+            balance, z = (sum(m[key] for m in metrics) for key in ("moe_balance_loss", "moe_z_loss"))
+            grads = {}
+            for chunk, offset in zip(ddp, offsets, strict=True):
+                grads.update(collect_full_grads(chunk, offset))
+            for router_loss in router_losses:
+                router_loss.remove()
         undo()
         merged, losses, _ = gather_results(world_size, grads, result.loss)
         results.append({
             "config": cfg,
             "loss": losses[0],
             "all_losses_equal": len(set(losses)) == 1,
-            "router_loss": NUM_LAYERS * (BALANCE * metrics["moe_balance_loss"] + Z_LOSS * metrics["moe_z_loss"]),
+            "router_loss": NUM_LAYERS * (BALANCE * balance + Z_LOSS * z),
             "grads": merged,
             "num_microbatches": result.num_microbatches,
+            "cp_sizes": plan.cp_size_counts() if cfg.get("dynamic_cp") else None,
         })  # fmt: skip
         ps.destroy_model_parallel()
     return results if rank == 0 else None

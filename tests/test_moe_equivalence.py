@@ -4,7 +4,8 @@ gradient of a training step equal an unpacked reference, on real Megatron schedu
 Reference: `moe_workers.reference_worker` (stock Megatron MoE model, one sequence per forward, the router
 losses in plain torch). Under test: `router_loss.RouterLoss` with the planner, builder and schedule driver
 at EP1, EP2, TP2 x EP2 (sequence parallel), EP2 x CP2 and PP2 x EP2, packed and dynamically batched, with
-several micro-batches per rank. The negative control computes the balance loss over each packed row as one
+several micro-batches per rank; the interleaved pipeline (PP2 x VPP2) and dynamic CP (rows of CP 1, 2 and 4
+on their sub-groups, with TP2 too). The negative control computes the balance loss over each packed row as one
 sequence (what Megatron 0.16's ``seq_aux_loss`` does with THD rows) and must fail.
 """
 
@@ -84,5 +85,30 @@ def test_expert_parallel_with_tp_cp_pp(reference):
     for result in results[:-1]:
         check(result, reference)
     assert any(r["num_microbatches"] > 1 for r in results if r["config"].get("pp") == 2)  # 1F1B interleaves
+    _, router_err, grad_err = errors(results[-1], reference)
+    assert router_err > 1e-3 and grad_err > 1e-3, (router_err, grad_err)
+
+
+VPP_AND_DYNAMIC_CP = [
+    {"pp": 2, "vpp": 2, "ep": 2, "mode": "packing", "train_mb_tokens": 48},
+    {"pp": 2, "vpp": 2, "ep": 2, "mode": "dynamic"},
+    {"cp": 4, "ep": 2, "dynamic_cp": True, "mode": "packing", "train_mb_tokens": 16},
+    {"cp": 2, "tp": 2, "ep": 2, "dynamic_cp": True, "mode": "packing", "train_mb_tokens": 24},
+    {"cp": 2, "ep": 2, "dynamic_cp": True, "mode": "dynamic", "train_mb_tokens": 24},
+    {"cp": 4, "ep": 2, "dynamic_cp": True, "mode": "packing", "train_mb_tokens": 16,
+     "negative": "row_counts_per_shard"},
+]
+"""Each chunk of the interleaved pipeline has its own router loss (summed); dynamic CP's rows of CP 1, 2 and
+4 sum their counts over TP and the row's CP sub-group. The negative control counts each shard of a row alone."""
+
+
+@pytest.mark.slow
+def test_interleaved_pipeline_and_dynamic_cp(reference):
+    results = run_configs(4, VPP_AND_DYNAMIC_CP, reference)
+    for result in results[:-1]:
+        check(result, reference)
+    sizes = [r["cp_sizes"] for r in results if r["cp_sizes"]]
+    assert all(any(k > 1 and n for k, n in s.items()) for s in sizes), sizes  # rows on CP sub-groups
+    assert any(r["num_microbatches"] > 1 for r in results if r["config"].get("vpp") == 2)
     _, router_err, grad_err = errors(results[-1], reference)
     assert router_err > 1e-3 and grad_err > 1e-3, (router_err, grad_err)

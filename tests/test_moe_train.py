@@ -109,6 +109,29 @@ def test_a_checkpoint_written_at_ep2_resumes_at_ep1_and_at_tp2_with_the_same_los
         assert _close(rows[-2:], _rows(tmp_path / "straight")[-2:]), (name, rows, _rows(tmp_path / "straight"))
 
 
+SEEDED_MOE = ["model.num_layers=4", "model.num_experts=4", "model.moe_router_topk=2", "model.gated_mlp=true",
+              "model.linear_bias=false", "model.moe_aux_loss_coeff=0.05", "model.moe_z_loss_coeff=0.001",
+              "training.steps=2", "parallel.variable_seq_lengths=true"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_moe_runs_the_interleaved_pipeline_and_dynamic_cp_with_the_losses_of_one_rank(tmp_path):
+    """The trainer's MoE meters per model chunk (PP2 x VPP2) and under dynamic CP (CP2 rows on sub-groups):
+    the losses, router losses and expert loads of one rank."""
+    runs = {"one": ([], 0), "vpp": (["parallel.pp=2", "parallel.vpp=2"], 2),
+            "dynamic_cp": (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.train_mb_tokens=512",
+                            "context_parallel.max_tokens_per_rank=512"], 2)}  # fmt: skip
+    rows = {}
+    for name, (layout, ranks) in runs.items():
+        proc = train(tmp_path / name, *SEEDED_MOE, *layout, torchrun=ranks)
+        assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])
+        keys = ("loss", "grad_norm", "moe_balance_loss", "moe_z_loss", "expert_load_max_over_mean")
+        rows[name] = [tuple(r[k] for k in keys) for r in metrics(tmp_path / name)]
+    for name in ("vpp", "dynamic_cp"):
+        assert _close(rows[name], rows["one"]), (name, rows[name], rows["one"])
+
+
 def test_a_split_dependent_balance_loss_is_refused_and_the_per_sequence_one_is_run(tmp_path, moe_model):
     from mcore_packing.app.config import ConfigError
     from mcore_packing.app.train_command import compose_config

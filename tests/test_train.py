@@ -149,9 +149,6 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
         (["parallel.pp=2", "parallel.vpp=2"], 2, "model.num_layers=2 cannot be split into parallel.pp x parallel.vpp"),
         (["parallel.pp=2", "parallel.vpp=2", "parallel.microbatch_group_size_per_vp_stage=1"], 2,
          "parallel.microbatch_group_size_per_vp_stage=1 must be at least pp=2"),
-        (["parallel.pp=2", "parallel.vpp=2", "model.num_layers=4", "model.num_experts=4", "model.gated_mlp=true",
-          "model.linear_bias=false"], 2,
-         "parallel.vpp=2 with a Mixture-of-Experts model is not supported yet"),
         (["context_parallel.dynamic=true"], 1, "context_parallel.dynamic=true picks a CP size per sequence up to "
          "parallel.cp, which is 1"),
         (["context_parallel.max_tokens_per_rank=512"], 1,
@@ -168,9 +165,6 @@ def test_resume_continues_at_the_exact_next_sample(tmp_path):
          "sequence_packing.fixed_shape does not apply with context_parallel.dynamic=true"),
         (["parallel.cp=2", "context_parallel.dynamic=true", "context_parallel.max_tokens_per_rank=100"], 2,
          "Raise context_parallel.max_tokens_per_rank to at least"),
-        (["parallel.cp=2", "context_parallel.dynamic=true", "model.num_layers=4", "model.num_experts=4",
-          "model.gated_mlp=true", "model.linear_bias=false"], 2,
-         "context_parallel.dynamic=true with a Mixture-of-Experts model is not supported yet"),
     ],
 )
 def test_validation_errors_name_the_key(tmp_path, overrides, world, fragment):

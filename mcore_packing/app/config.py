@@ -484,9 +484,9 @@ def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
             )  # fmt: skip
 
 
-def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout, *, dynamic_cp: bool = False) -> None:
-    """The model's heads split over TP and its experts over EP (a `ConfigError` naming the parallel key);
-    ``dynamic_cp``: the model can run dynamic CP (dense models only, for now)."""
+def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
+    """The model's heads split over TP, its experts over EP and its layers over PP x VPP (a `ConfigError`
+    naming the parallel key)."""
     try:
         layout.check_heads(shape.num_attention_heads, shape.kv_heads)
     except ValueError as exc:
@@ -499,18 +499,6 @@ def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout, *, dynamic_
         layout.check_layers(shape.num_layers)
     except ValueError as exc:
         raise ConfigError(str(exc).replace("pp x vpp", "parallel.pp x parallel.vpp"), key="parallel.vpp") from None
-    if dynamic_cp and shape.is_moe:
-        raise ConfigError(
-            "context_parallel.dynamic=true with a Mixture-of-Experts model is not supported yet: the router losses "
-            "and expert-load counts are summed over the run's static TP x CP group, not a row's CP sub-group. Use "
-            "static CP (context_parallel.dynamic=false).", key="context_parallel.dynamic",
-        )  # fmt: skip
-    if layout.vpp > 1 and shape.is_moe:
-        raise ConfigError(
-            f"parallel.vpp={layout.vpp} with a Mixture-of-Experts model is not supported yet: the router losses "
-            "and the expert-load meters are wired to one model chunk per stage. Use parallel.vpp=1.",
-            key="parallel.vpp",
-        )
 
 
 def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None = None) -> StepPlanConfig:

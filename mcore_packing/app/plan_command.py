@@ -421,7 +421,7 @@ def _other_lengths(args, cfg: TrainConfig, world: int):
     """``--lengths`` / ``--corpus``: the run's settings, the model's shape, consecutive global batches."""
     layout = validate_layout(cfg, world)
     shape = cfg.model.shape(cfg.data.vocab_size)
-    check_shape_on_layout(shape, layout, dynamic_cp=cfg.context_parallel.dynamic)
+    check_shape_on_layout(shape, layout)
     config = plan_config(cfg, layout)
     if args.lengths:
         source, lengths = args.lengths, load_lengths(args.lengths)

@@ -119,7 +119,7 @@ def prepare_run(cfg: TrainConfig, world_size: int, *, dry_run: bool = False) -> 
                     "; ".join(rebuilt))  # fmt: skip
     data = algorithm.load_data(cfg)
     shape = cfg.model.shape(data.vocab_size)
-    check_shape_on_layout(shape, layout, dynamic_cp=cfg.context_parallel.dynamic)
+    check_shape_on_layout(shape, layout)
     if cfg.model.hf_path is not None:
         try:
             check_safetensors(cfg.model.hf_path)
@@ -322,8 +322,29 @@ def _moe_meters(policy, shape: ModelShape) -> list:
     from ..megatron.router_loss import attached_router_loss
     from ..megatron.router_replay import attached_router_replay
 
-    extra = [m for m in (attached_router_loss(policy.model), attached_router_replay(policy.model)) if m is not None]
-    return [ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts), *extra]
+    losses = [loss for loss in map(attached_router_loss, policy.chunks) if loss is not None]
+    replay = attached_router_replay(policy.chunks[0])  # its counts cover every chunk
+    meters = [ExpertLoadMeter(policy.model, shape.num_layers, shape.num_experts)]
+    return meters + ([_ChunksSum(losses)] if losses else []) + ([replay] if replay is not None else [])
+
+
+class _ChunksSum:
+    """The router losses of a stage's chunks (a virtual pipeline) as one meter: each chunk's metrics are
+    its layers' share of the per-layer mean, so the model's are their sum."""
+
+    def __init__(self, meters: list):
+        self.meters = meters
+
+    def reset(self) -> None:
+        for meter in self.meters:
+            meter.reset()
+
+    def metrics(self) -> dict:
+        out: dict = {}
+        for meter in self.meters:  # a collective each, the same count on every rank
+            for key, value in meter.metrics().items():
+                out[key] = out.get(key, 0.0) + value
+        return out
 
 
 def _export_at_end(cfg: TrainConfig, checkpointer: Checkpointer, rank: int) -> None:

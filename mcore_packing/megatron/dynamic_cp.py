@@ -22,7 +22,8 @@ The totals (target tokens, sequences, groups) are counted on each row's first ra
 CP, so every loss (`TokenMeanNLL`, `SequenceMeanNLL`, `PerSequence`, `PerSample`, `PerGroup`) is
 normalized over the whole global batch, and the step's loss and gradients are those of the unpacked
 batch. Log-probs are written by each row's first rank and summed over DP x CP.
-Mixture-of-Experts models are refused (their router losses count over the run's static TP x CP group).
+Mixture-of-Experts models run too: each row's routers get its padding mask, its router loss the row's
+segments with the counts summed over TP and the row's CP sub-group (`moe_inputs`), its replay the routes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ..planning.step_config import StepPlanConfig
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from ._patches.rope_cp_group import rope_cp_group
+from .moe_inputs import begin_moe_micro_batch, is_moe, router_losses
 from .packed_seq import bshd_cp_params
 from .prepare import count_targets, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
@@ -69,10 +71,15 @@ def forward_backward_dynamic_cp(
     groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
     totals = StepTotals.all_reduce(*_local_counts(plan, mine, groups.rank, samples), process_groups.dp_cp)
-    prepared = [_prepare_row(row, samples, plan, process_groups, loss.token_weights, totals, device) for row in mine]
+    weights = loss.token_weights
+    prepared = [_prepare_row(row, samples, plan, process_groups, weights, totals, device, model) for row in mine]
     from megatron.core.utils import get_model_config
 
     per_token = bool(getattr(get_model_config(_chunk(model)), "calculate_per_token_loss", False))
+    moe_losses = [] if forward_only else router_losses(_chunk(model))
+    scale = totals.num_tokens if per_token else process_groups.dp_size * len(prepared)  # as the static step's
+    for router_loss in moe_losses:
+        router_loss.begin_step(num_sequences=len(samples), num_tokens=sum(plan.lengths), output_scale=scale)
 
     def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
         return megatron_loss_output(
@@ -84,8 +91,13 @@ def forward_backward_dynamic_cp(
             calculate_per_token_loss=per_token,
         )
 
-    with entropy_for(loss, model, process_groups) as capture:
-        store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only, labels=loss.uses_labels)
+    try:
+        with entropy_for(loss, model, process_groups) as capture:
+            store = _run(model, prepared, loss_func, process_groups, forward_only=forward_only,
+                         labels=loss.uses_labels)  # fmt: skip
+    finally:
+        for router_loss in moe_losses:
+            router_loss.end_step()
     return StepResult(
         loss=_step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,
@@ -104,7 +116,7 @@ def compute_logprobs_dynamic_cp(
     samples written by the row's first rank (after the gather over its sub-group) and summed over DP x CP."""
     groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
-    prepared = [_prepare_row(row, samples, plan, process_groups, None, None, device) for row in mine]
+    prepared = [_prepare_row(row, samples, plan, process_groups, None, None, device, model) for row in mine]
     out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32, device=device)
 
     def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
@@ -122,19 +134,12 @@ def compute_logprobs_dynamic_cp(
 
 
 def _check(model, plan: DynamicCPPlan, process_groups: ProcessGroups, *, verify: bool):
-    """The run can execute the plan: one chunk at pp=1, a dense model, the plan's domain, the sub-groups;
+    """The run can execute the plan: one chunk at pp=1, the plan's domain, the sub-groups;
     with ``verify``, every rank of the domain planned the same step. Returns the sub-groups."""
     if isinstance(model, list) and len(model) != 1:
         raise ValueError("dynamic CP runs one model chunk per rank (pp=1, vpp=1).")
     if process_groups.pp_size > 1:
         raise ValueError(f"dynamic CP runs at pp=1; this run has pp={process_groups.pp_size}.")
-    from megatron.core.utils import get_model_config
-
-    if getattr(get_model_config(_chunk(model)), "num_moe_experts", None):
-        raise ValueError(
-            "dynamic CP does not run Mixture-of-Experts models yet: their router losses and expert-load counts "
-            "are summed over the run's static TP x CP group, not a row's sub-group. Use static CP."
-        )
     groups = process_groups.dynamic_cp
     if groups is None:
         raise ValueError(
@@ -160,7 +165,7 @@ def _local_counts(plan: DynamicCPPlan, mine: list[CPRow], rank: int, samples) ->
 
 
 def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, normalization, totals,
-                 device):  # fmt: skip
+                 device, model):  # fmt: skip
     """The row as a static micro-batch of CP ``row.cp_size`` whose CP group is the row's sub-group: the
     prepared micro-batch and the row's process groups."""
     cfg = plan.config
@@ -173,8 +178,11 @@ def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: Proce
                         micro_batches=((mb,),), row_capacity=cfg.capacity(row.cp_size),
                         groups=plan.groups)  # fmt: skip
     row_groups = process_groups.for_cp_group(process_groups.dynamic_cp.group(row.cp_size, row.first_rank))
+    from megatron.core.utils import get_model_config
+
+    moe = is_moe(get_model_config(_chunk(model)))
     prep = prepare_micro_batch(mb, samples, row_plan, row_groups, totals=totals, normalization=normalization,
-                               device=device)  # fmt: skip
+                               device=device, segments=moe)  # fmt: skip
     if row.width:  # BSHD rows: params that carry the row's group (a THD row's already do)
         prep = replace(prep, packed_seq_params=bshd_cp_params(row_groups.cp))
     return prep, row_groups
@@ -187,9 +195,11 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
     def forward_step(data_iterator, model_chunk):
         prep, row_groups = next(data_iterator)
         width = prep.plan.shape[1] if prep.packed is None else None  # BSHD: RoPE's table spans the whole row
+        reduce = [g for g in (row_groups.tp, row_groups.cp) if g is not None and group_size(g) > 1]
+        extra = begin_moe_micro_batch(prep, model_chunk, row_groups, reduce_groups=reduce)  # an MoE chunk's share
         with rope_cp_group(model_chunk, row_groups.cp, rotary_seq_len=width):
             output = model_chunk(prep.tokens, prep.position_ids, None, labels=prep.labels if labels else None,
-                                 packed_seq_params=prep.packed_seq_params)  # fmt: skip
+                                 packed_seq_params=prep.packed_seq_params, **extra)  # fmt: skip
         return output, partial(loss_func, prep, row_groups)
 
     return get_forward_backward_func()(

@@ -17,18 +17,19 @@ __all__ = ["ExpertLoadMeter"]
 
 
 class ExpertLoadMeter:
-    """Hooks the routers of ``model`` (a Megatron GPTModel chunk, DDP-wrapped or not) of ``num_layers``
-    global layers with ``num_experts`` routed experts each."""
+    """Hooks the routers of ``model`` (a Megatron GPTModel chunk, DDP-wrapped or not, or a stage's list
+    of chunks under a virtual pipeline) of ``num_layers`` global layers with ``num_experts`` routed
+    experts each."""
 
     def __init__(self, model, num_layers: int, num_experts: int):
         self.shape = (num_layers, num_experts)
         self.counts: torch.Tensor | None = None  # on the routers' device, made by the first forward
         self._hooks = []
-        module = getattr(model, "module", model)
-        for layer in module.decoder.layers:
-            router = getattr(layer.mlp, "router", None)
-            if router is not None:  # Megatron's global, 1-based layer number
-                self._hooks.append(router.register_forward_hook(self._hook(layer.layer_number - 1)))
+        for chunk in model if isinstance(model, list) else [model]:
+            for layer in getattr(chunk, "module", chunk).decoder.layers:
+                router = getattr(layer.mlp, "router", None)
+                if router is not None:  # Megatron's global, 1-based layer number
+                    self._hooks.append(router.register_forward_hook(self._hook(layer.layer_number - 1)))
 
     def _hook(self, index: int):
         def count(module, args, output):

@@ -105,6 +105,7 @@ class RouterLoss:
         self.reduce_group = reduce_group
         self._step: _Step | None = None
         self._segments: torch.Tensor | None = None
+        self._groups: list = [reduce_group]
         self._lengths: torch.Tensor | None = None
         self.values: torch.Tensor | None = None  # [balance, z] of this rank since the last reset (detached)
         self.steps = 0  # optimizer steps (begin_step calls) since the last reset
@@ -129,10 +130,13 @@ class RouterLoss:
         self._step = _Step(num_sequences, num_tokens, float(output_scale))
         self.steps += 1
 
-    def begin_micro_batch(self, segments: torch.Tensor, lengths: torch.Tensor) -> None:
+    def begin_micro_batch(self, segments: torch.Tensor, lengths: torch.Tensor, *, reduce_groups=None) -> None:
         """``segments``: the sequence index of each token this chunk's routers see, in their order (-1 at
-        pads); ``lengths``: the tokens of each sequence of the micro-batch (the whole sequence, all ranks)."""
+        pads); ``lengths``: the tokens of each sequence of the micro-batch (the whole sequence, all ranks);
+        ``reduce_groups``: the groups the counts are summed over in turn for this micro-batch (dynamic CP:
+        TP, then the row's CP sub-group), instead of ``reduce_group``."""
         self._segments, self._lengths = segments.reshape(-1), lengths
+        self._groups = [self.reduce_group] if reduce_groups is None else list(reduce_groups)
 
     def end_step(self) -> None:
         self._step = self._segments = self._lengths = None
@@ -206,8 +210,9 @@ class RouterLoss:
             chosen = used & real
         num_sequences = self._lengths.numel()
         counts = scores.new_zeros(num_sequences, num_experts).index_add(0, index, chosen.to(scores.dtype))
-        if self.reduce_group is not None:
-            all_reduce(counts, self.reduce_group)  # the sequence's tokens on every TP/CP shard
+        for group in self._groups:  # the sequence's tokens on every TP/CP shard
+            if group is not None:
+                all_reduce(counts, group)
         sums = scores.new_zeros(num_sequences, num_experts).index_add(0, index, scores * real)
         lengths = self._lengths.to(scores.dtype)  # on the device: prepared with the micro-batch
         per_sequence = (counts * sums).sum(-1) * num_experts / (topk * lengths.square())

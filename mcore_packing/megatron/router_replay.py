@@ -60,17 +60,25 @@ class _LayerReplay:
         return scores.gather(1, chosen), chosen
 
 
+class _Counts:
+    """[differ, routed] since the last reset, on the device; shared by the chunks of one model."""
+
+    def __init__(self):
+        self.value: torch.Tensor | None = None
+
+
 class RouterReplay:
     """Replays routes on the routers of one model chunk (a Megatron GPTModel chunk, DDP-wrapped or not).
     ``moe_layers``: the global layer number (1-based) of every MoE layer of the whole model, in order, so
-    a chunk's routers read their column of the routes. Install with `install_router_replay`; the
-    schedule drives it (`begin_micro_batch`)."""
+    a chunk's routers read their column of the routes; ``counts``: the mismatch counts, shared with the
+    model's other chunks (a virtual pipeline), so any chunk's `metrics` covers the whole model. Install
+    with `install_router_replay`; the schedule drives it (`begin_micro_batch`)."""
 
-    def __init__(self, model, moe_layers: list[int]):
+    def __init__(self, model, moe_layers: list[int], counts: _Counts | None = None):
         module = getattr(model, "module", model)
         _check_config(module.config)
         self.layers: list[_LayerReplay] = []
-        self.counts: torch.Tensor | None = None  # [differ, routed] since the last reset, on the device
+        self._counts = counts or _Counts()
         ordinal = {number: i for i, number in enumerate(moe_layers)}
         for layer in module.decoder.layers:
             router = getattr(layer.mlp, "router", None)
@@ -92,18 +100,18 @@ class RouterReplay:
     def count(self, fresh: torch.Tensor, chosen: torch.Tensor, routed: torch.Tensor) -> None:
         differ = (fresh.sort(dim=1).values != chosen.sort(dim=1).values).any(dim=1, keepdim=True) & routed
         step = torch.stack([differ.sum(), routed.sum()])
-        if self.counts is None:
-            self.counts = torch.zeros(2, dtype=torch.int64, device=step.device)
-        self.counts += step
+        if self._counts.value is None:
+            self._counts.value = torch.zeros(2, dtype=torch.int64, device=step.device)
+        self._counts.value += step
 
     def reset(self) -> None:
-        if self.counts is not None:
-            self.counts.zero_()
+        if self._counts.value is not None:
+            self._counts.value.zero_()
 
     def metrics(self) -> dict:
         """``router_replay_mismatch``: the share of replayed (token, layer) choices that fresh routing would
         have made differently, since the last `reset`, over every rank (a collective: every rank calls it)."""
-        counts = torch.zeros(2, dtype=torch.int64) if self.counts is None else self.counts.clone()
+        counts = torch.zeros(2, dtype=torch.int64) if self._counts.value is None else self._counts.value.clone()
         differ, routed = (int(v) for v in all_reduce(counts, None).cpu())
         return {"router_replay_mismatch": differ / routed} if routed else {}
 
@@ -131,7 +139,8 @@ def install_router_replay(model, moe_layers: list[int] | None = None) -> list[Ro
     if moe_layers is None:
         config = getattr(chunks[0], "module", chunks[0]).config
         moe_layers = _moe_layer_numbers(config)
-    return [RouterReplay(chunk, moe_layers) for chunk in chunks]
+    counts = _Counts()
+    return [RouterReplay(chunk, moe_layers, counts) for chunk in chunks]
 
 
 def _moe_layer_numbers(config) -> list[int]:

@@ -42,10 +42,9 @@ from ..planning.dynamic_cp import DynamicCPPlan
 from ..planning.pipeline import check_interleaved_count
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
+from .moe_inputs import begin_moe_micro_batch, is_moe, router_losses
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
-from .process_groups import ProcessGroups, group_rank, group_size, verify_plan_across_ranks
-from .router_loss import attached_router_loss
-from .router_replay import attached_router_replay
+from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
 from .shared_prefix import attach_shared_prefix, score_extra_rows, shared_prefix_of
 from .step_loss import StepLoss, TokenMeanNLL, entropy_for, micro_batch_share
 
@@ -106,12 +105,12 @@ def forward_backward(
     totals = StepTotals.all_reduce(*local_step_counts(plan, samples, process_groups), process_groups.dp_cp)
     micro = plan.for_rank(process_groups.dp_rank)
     build = partial(prepare_micro_batch, totals=totals, normalization=loss.token_weights, device=device,
-                    segments=_is_moe(model_config))  # fmt: skip
+                    segments=is_moe(model_config))  # fmt: skip
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
-    router_losses = [] if forward_only else _router_losses(model)
+    moe_losses = [] if forward_only else router_losses(model)
     scale = totals.num_tokens if per_token else process_groups.dp_size * len(prepared)  # what the schedule's
-    for router_loss in router_losses:  # normalization divides an attached loss by (as for the main loss)
+    for router_loss in moe_losses:  # normalization divides an attached loss by (as for the main loss)
         router_loss.begin_step(num_sequences=len(samples), num_tokens=sum(plan.lengths), output_scale=scale)
 
     def loss_func(prep: PreparedMicroBatch, output: torch.Tensor):
@@ -129,7 +128,7 @@ def forward_backward(
             store = _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=forward_only,
                                   labels=loss.uses_labels)  # fmt: skip
     finally:
-        for router_loss in router_losses:
+        for router_loss in moe_losses:
             router_loss.end_step()
     return StepResult(
         loss=_step_loss(store, process_groups, device),
@@ -169,7 +168,7 @@ def compute_logprobs(
     model_config = _check_step(model, samples, plan)
     device = _device(device)
     build = partial(prepare_micro_batch, totals=None, normalization=None, device=device,
-                    segments=_is_moe(model_config))  # fmt: skip
+                    segments=is_moe(model_config))  # fmt: skip
     micro = plan.for_rank(process_groups.dp_rank)
     prepared = [build(mb, samples, plan, process_groups, pad_token_id=pad_token_id) for mb in micro]
     out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32, device=device)
@@ -222,17 +221,11 @@ def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = Tr
     """Megatron's ``forward_step_func``: the next prepared micro-batch through the model chunk; the
     per-token losses go to ``loss_func(prepared, output)`` on the last stage. An MoE model also gets the
     micro-batch's padding mask, so its routers keep pad tokens out of their statistics, and its router
-    loss (`router_loss`), if any, this stage's share of the micro-batch's segments."""
+    loss and router replay, if any, this stage's share of the segments and routes (`moe_inputs`)."""
 
     def forward_step(data_iterator, model_chunk):
         prep = next(data_iterator)
-        mask = _router_padding_mask(prep, model_chunk, process_groups)
-        extra = {} if mask is None else {"padding_mask": mask}
-        router_loss = attached_router_loss(model_chunk)
-        if router_loss is not None and prep.segments is not None:
-            router_loss.begin_micro_batch(_router_order(prep.segments, model_chunk, process_groups),
-                                          prep.sequence_lengths)  # fmt: skip
-        _replay_routes(prep, model_chunk, process_groups)
+        extra = begin_moe_micro_batch(prep, model_chunk, process_groups)
         if prep.shared is not None and shared_prefix_of(prep.packed_seq_params) is None:  # once per micro-batch
             attach_shared_prefix(prep.packed_seq_params, prep.shared, _rotary(model_chunk), prep.tokens.device)
         with score_extra_rows(model_chunk, prep.extra_rows if labels else None):  # a shared prompt's last token
@@ -272,7 +265,7 @@ def _check_shared_prefix(model, plan, loss) -> None:
         )
     from megatron.core.utils import get_model_config
 
-    if _is_moe(get_model_config(chunks[0])):
+    if is_moe(get_model_config(chunks[0])):
         raise ValueError("a shared-prefix plan runs dense models only for now; plan an MoE model without it.")
     embedding = {m.position_embedding_type for m in modules if hasattr(m, "position_embedding_type")}
     if embedding - {"rope", "none"}:
@@ -291,62 +284,6 @@ def _check_shared_prefix(model, plan, loss) -> None:
 def _is_dynamic_cp(plan) -> bool:
     """Whether ``plan`` is a dynamic-CP plan (`planning.dynamic_cp.DynamicCPPlan`) rather than a `StepPlan`."""
     return isinstance(plan, DynamicCPPlan)
-
-
-def _is_moe(model_config) -> bool:
-    """Whether the model has Mixture-of-Experts layers (their routers take the micro-batch's padding mask)."""
-    return bool(getattr(model_config, "num_moe_experts", None))
-
-
-def _router_padding_mask(prep, model_chunk, process_groups: ProcessGroups):
-    """The padding mask an MoE model chunk's routers get (None when the micro-batch has none: a dense
-    model): the first pipeline stage takes it whole (Megatron splits it over sequence-parallel ranks
-    there); a later stage under sequence parallelism gets this TP rank's share, which Megatron does not
-    cut for it."""
-    mask = prep.padding_mask
-    if mask is None:
-        return None
-    first_stage = getattr(getattr(model_chunk, "module", model_chunk), "pre_process", True)
-    if _sequence_parallel(model_chunk) and not first_stage:
-        mask = _tp_rank_share(mask, process_groups)
-    return mask
-
-
-def _router_order(tensor: torch.Tensor, model_chunk, process_groups: ProcessGroups) -> torch.Tensor:
-    """A per-token ``[batch, seq, ...]`` tensor of the micro-batch (segments, routes) in the order this
-    stage's routers see the tokens: ``[seq, batch]`` flattened, this TP rank's sequence slice under
-    sequence parallelism (every stage)."""
-    if _sequence_parallel(model_chunk):
-        tensor = _tp_rank_share(tensor, process_groups)
-    return tensor.transpose(0, 1).reshape(-1, *tensor.shape[2:])
-
-
-def _replay_routes(prep, model_chunk, process_groups: ProcessGroups) -> None:
-    """Hand the chunk's `router_replay.RouterReplay` this micro-batch's routes (None: route afresh); routes
-    on a model without one are refused rather than ignored."""
-    replay = attached_router_replay(model_chunk)
-    if replay is None:
-        if prep.routes is not None:
-            raise ValueError("the samples carry routed_experts but the model replays no routes: call "
-                             "install_router_replay(model) (megatron.router_replay), or drop the samples' routes.")
-        return
-    replay.begin_micro_batch(None if prep.routes is None else _router_order(prep.routes, model_chunk, process_groups))
-
-
-def _sequence_parallel(model_chunk) -> bool:
-    return bool(getattr(getattr(model_chunk, "config", None), "sequence_parallel", False))
-
-
-def _tp_rank_share(tensor: torch.Tensor, process_groups: ProcessGroups) -> torch.Tensor:
-    """This TP rank's slice of a ``[batch, seq]`` tensor along the sequence (sequence parallelism)."""
-    width = tensor.shape[1] // process_groups.tp_size
-    rank = group_rank(process_groups.tp)
-    return tensor[:, rank * width : (rank + 1) * width]
-
-
-def _router_losses(model) -> list:
-    chunks = model if isinstance(model, list) else [model]
-    return [loss for loss in (attached_router_loss(chunk) for chunk in chunks) if loss is not None]
 
 
 def _step_loss(store: list[dict], process_groups: ProcessGroups, device: torch.device) -> float:
