@@ -84,22 +84,19 @@ def test_nemo_rl_sections():
         StepPlanConfig.from_nemo_rl()
 
 
-def test_a_dynamic_cp_plan_needs_its_sub_groups_one_dense_chunk_and_its_domain():
+def test_a_dynamic_cp_plan_needs_its_sub_groups_one_chunk_and_its_domain():
     """`forward_backward` of a dynamic-CP plan refuses, before any collective, process groups without the
-    CP sub-groups, a Mixture-of-Experts model, several chunks, and a run whose DP x CP domain is not the
-    plan's (a world of one here: ``None`` groups are a single rank, as everywhere on the step path)."""
+    CP sub-groups, several chunks, and a run whose DP x CP domain is not the plan's (a world of one here:
+    ``None`` groups are a single rank, as everywhere on the step path)."""
     from mcore_packing.megatron import ProcessGroups
     from mcore_packing.megatron.dynamic_cp import _check
     from mcore_packing.megatron.process_groups import DynamicCPGroups
 
     plan = plan_step([5, 9, 12, 3], StepPlanConfig(train_mb_tokens=16, layout=ParallelLayout(cp=2), dynamic_cp=True))
     dense = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=None))
-    moe = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=4))
     one_rank = ProcessGroups(types.SimpleNamespace(pp=None, dp_cp=None))
     with pytest.raises(ValueError, match=r"no dynamic-CP sub-groups: pass ProcessGroups\.from_megatron\(\)"):
         _check(dense, plan, one_rank, verify=False)
-    with pytest.raises(ValueError, match="does not run Mixture-of-Experts models yet"):
-        _check(moe, plan, one_rank, verify=False)
     with pytest.raises(ValueError, match="one model chunk per rank"):
         _check([dense, dense], plan, one_rank, verify=False)
     groups = DynamicCPGroups(groups={}, rank=0, size=1, max_cp=1)

@@ -13,6 +13,15 @@ Backends, picked per call:
   the micro-batch), and each local chunk attends to the keys up to its end, causal aligned bottom-right:
   two attention calls per sequence, no mask built, no host sync.
 
+Sliding windows and attention sinks (GPT-OSS): a layer Megatron's config gives a window
+(``window_size=(left, 0)``, per layer by ``window_attn_skip_freq``) lets a query at position ``i`` of its
+sequence see keys ``i - left .. i`` of that sequence only: the positions are the sequence's own, so a window
+never reaches across a packed boundary, and under CP (bottom-right alignment over the gathered keys) it
+is applied to the sequence's global positions. ``softmax_type="learnable"`` gives every head a learned
+sink logit (``softmax_offset``, Megatron's name and TP split) added to the softmax's denominator;
+"off-by-one" a sink of 0. Those layers run an explicit softmax per sequence (queries in blocks, keys cut to
+the window), on CPU and GPU alike: FlashAttention's varlen call has no sink.
+
 With TransformerEngine installed, `get_packed_gpt_layer_spec` uses TE's attention instead of this module.
 Only causal self-attention (GPT) is supported; dropout uses torch's RNG (no TP RNG tracker fork).
 """
@@ -66,12 +75,46 @@ class PackedCoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else config.softmax_scale
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.backend = backend
+        self.window = _layer_window(config, layer_number)
+        self._init_sinks(config, pg_collection)
         if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
             self.cp_group = pg_collection.cp
         else:
             from megatron.core import parallel_state
 
             self.cp_group = parallel_state.get_context_parallel_group(check_initialized=False)
+
+    def _init_sinks(self, config, pg_collection) -> None:
+        """``softmax_offset``: one sink logit per head of this TP rank (learnable: a parameter split over TP
+        like the heads; off-by-one: zeros), or None (vanilla softmax)."""
+        kind = getattr(config, "softmax_type", "vanilla")
+        self.softmax_offset, self.tp_group = None, None
+        if kind == "vanilla":
+            return
+        tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
+        self.tp_group = tp
+        heads = config.num_attention_heads // (tp.size() if tp is not None else config.tensor_model_parallel_size)
+        if kind == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
+            return
+        if kind != "learnable":
+            raise ValueError(f"softmax_type={kind!r}: PackedCoreAttention supports vanilla, off-by-one, learnable.")
+        from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+        self.softmax_offset = torch.nn.Parameter(torch.zeros(heads, dtype=config.params_dtype))
+        set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        if config.perform_initialization:
+            config.init_method(self.softmax_offset.data)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None):
+        """The learnable sinks split over TP along the heads (Megatron's ``DotProductAttention`` layout)."""
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        learnable = isinstance(self.softmax_offset, torch.nn.Parameter)
+        state = self.state_dict(prefix="", keep_vars=True) if learnable else {}
+        dp_cp = (metadata or {}).get("dp_cp_group")
+        return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
+                                                   tp_group=self.tp_group, dp_cp_group=dp_cp)  # fmt: skip
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _scale(self, head_dim: int) -> float:
@@ -89,6 +132,8 @@ class PackedCoreAttention(MegatronModule):
             repeat = q.shape[1] // k.shape[1]
             k = k.repeat_interleave(repeat, dim=1)
             v = v.repeat_interleave(repeat, dim=1)
+        if self.window is not None or self.softmax_offset is not None:
+            return self._explicit(q, k, v)
         square = q.shape[0] == k.shape[0]
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1),
@@ -100,6 +145,30 @@ class PackedCoreAttention(MegatronModule):
             scale=self._scale(q.shape[-1]),
         )
         return out.transpose(0, 1)
+
+    def _explicit(self, q, k, v, block: int = 1024):
+        """`_sdpa` with a sliding window and/or sinks: an explicit fp32 softmax over each block of queries,
+        the keys cut to those the block can see (bottom-right causal, ``window`` to the left), the heads'
+        sink logits appended to the scores and dropped after the softmax."""
+        first = k.shape[0] - q.shape[0]  # the first query's position among the keys
+        out = torch.empty_like(q)
+        sink = None if self.softmax_offset is None else self.softmax_offset.float().reshape(-1, 1, 1)
+        for lo in range(0, q.shape[0], block):
+            hi = min(lo + block, q.shape[0])
+            positions = torch.arange(first + lo, first + hi, device=q.device)
+            start = 0 if self.window is None else max(0, first + lo - self.window[0])
+            keys = torch.arange(start, first + hi, device=q.device)
+            allowed = keys[None] <= positions[:, None]
+            if self.window is not None:
+                allowed &= keys[None] >= positions[:, None] - self.window[0]
+            scores = torch.einsum("qhd,khd->hqk", q[lo:hi].float(), k[start : first + hi].float())
+            scores = (scores * self._scale(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+            if sink is not None:
+                scores = torch.cat([scores, sink.expand(-1, hi - lo, 1)], dim=-1)
+            probs = torch.softmax(scores, dim=-1)[..., : keys.numel()]
+            probs = F.dropout(probs, p=self._dropout(), training=self.training)
+            out[lo:hi] = torch.einsum("hqk,khd->qhd", probs.to(v.dtype), v[start : first + hi])
+        return out
 
     def _check_mask_type(self, attn_mask_type) -> None:
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -137,8 +206,8 @@ class PackedCoreAttention(MegatronModule):
         return group
 
     def _use_varlen(self, query: torch.Tensor) -> bool:
-        if self.backend == "sdpa":
-            return False
+        if self.backend == "sdpa" or self.window is not None or self.softmax_offset is not None:
+            return False  # FlashAttention's varlen call has no sink; windows take the explicit path with them
         if self.backend == "varlen":
             if not varlen_attn_available():
                 raise RuntimeError("backend='varlen' needs torch.nn.attention.varlen.varlen_attn and a CUDA device.")
@@ -237,3 +306,18 @@ class PackedCoreAttention(MegatronModule):
             rows, keys = slice(i * chunk, (i + 1) * chunk), slice(0, (part + 1) * chunk)
             parts.append(torch.stack([self._sdpa(q[rows, j], k_full[keys, j], v_full[keys, j]) for j in range(b)], 1))
         return torch.cat(parts).reshape(s, b, -1)
+
+
+def _layer_window(config, layer_number: int) -> tuple[int, int] | None:
+    """This layer's sliding window ``(left, 0)`` as Megatron decides it (``window_size``, per layer by
+    ``window_attn_skip_freq``), or None (full causal attention)."""
+    from megatron.core.transformer.utils import is_layer_window_attention
+
+    window = getattr(config, "window_size", None)
+    if not is_layer_window_attention(window, getattr(config, "window_attn_skip_freq", None), layer_number):
+        return None
+    left, right = (int(w) for w in window)
+    if right != 0 or left < 0:
+        raise ValueError(f"window_size={tuple(window)}: causal attention takes (left >= 0, 0).")
+    return left, right
+
