@@ -79,14 +79,6 @@ def test_expert_parallel_two_ranks(reference):
         check(result, reference)
 
 
-@pytest.mark.slow
-def test_expert_parallel_with_tp_cp_pp(reference):
-    results = run_configs(4, FOUR_RANKS, reference)
-    for result in results[:-1]:
-        check(result, reference)
-    assert any(r["num_microbatches"] > 1 for r in results if r["config"].get("pp") == 2)  # 1F1B interleaves
-    _, router_err, grad_err = errors(results[-1], reference)
-    assert router_err > 1e-3 and grad_err > 1e-3, (router_err, grad_err)
 
 
 VPP_AND_DYNAMIC_CP = [
@@ -103,12 +95,16 @@ VPP_AND_DYNAMIC_CP = [
 
 
 @pytest.mark.slow
-def test_interleaved_pipeline_and_dynamic_cp(reference):
-    results = run_configs(4, VPP_AND_DYNAMIC_CP, reference)
-    for result in results[:-1]:
+def test_expert_parallel_with_tp_cp_pp_vpp_and_dynamic_cp(reference):
+    """One 4-rank spawn for both grids (FOUR_RANKS, then VPP_AND_DYNAMIC_CP), each ending in its negative control."""
+    results = run_configs(4, FOUR_RANKS + VPP_AND_DYNAMIC_CP, reference)
+    static, rest = results[: len(FOUR_RANKS)], results[len(FOUR_RANKS) :]
+    for result in static[:-1] + rest[:-1]:
         check(result, reference)
-    sizes = [r["cp_sizes"] for r in results if r["cp_sizes"]]
+    assert any(r["num_microbatches"] > 1 for r in static if r["config"].get("pp") == 2)  # 1F1B interleaves
+    sizes = [r["cp_sizes"] for r in rest if r["cp_sizes"]]
     assert all(any(k > 1 and n for k, n in s.items()) for s in sizes), sizes  # rows on CP sub-groups
-    assert any(r["num_microbatches"] > 1 for r in results if r["config"].get("vpp") == 2)
-    _, router_err, grad_err = errors(results[-1], reference)
-    assert router_err > 1e-3 and grad_err > 1e-3, (router_err, grad_err)
+    assert any(r["num_microbatches"] > 1 for r in rest if r["config"].get("vpp") == 2)
+    for negative in (static[-1], rest[-1]):
+        _, router_err, grad_err = errors(negative, reference)
+        assert router_err > 1e-3 and grad_err > 1e-3, (negative["config"], router_err, grad_err)

@@ -116,20 +116,17 @@ SEEDED_MOE = ["model.num_layers=4", "model.num_experts=4", "model.moe_router_top
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_moe_runs_the_interleaved_pipeline_and_dynamic_cp_with_the_losses_of_one_rank(tmp_path):
-    """The trainer's MoE meters per model chunk (PP2 x VPP2) and under dynamic CP (CP2 rows on sub-groups):
-    the losses, router losses and expert loads of one rank."""
-    runs = {"one": ([], 0), "vpp": (["parallel.pp=2", "parallel.vpp=2"], 2),
-            "dynamic_cp": (["parallel.cp=2", "context_parallel.dynamic=true", "sequence_packing.train_mb_tokens=512",
-                            "context_parallel.max_tokens_per_rank=512"], 2)}  # fmt: skip
+def test_moe_runs_the_interleaved_pipeline_with_the_losses_of_one_rank(tmp_path):
+    """The trainer's MoE meters over a stage's model chunks (PP2 x VPP2): the losses, router losses and
+    expert loads of one rank (dynamic CP's MoE rows: test_moe_equivalence.py, the library step)."""
+    runs = {"one": ([], 0), "vpp": (["parallel.pp=2", "parallel.vpp=2"], 2)}
     rows = {}
     for name, (layout, ranks) in runs.items():
         proc = train(tmp_path / name, *SEEDED_MOE, *layout, torchrun=ranks)
         assert proc.returncode == 0, (name, proc.stdout[-3000:] + proc.stderr[-3000:])
         keys = ("loss", "grad_norm", "moe_balance_loss", "moe_z_loss", "expert_load_max_over_mean")
         rows[name] = [tuple(r[k] for k in keys) for r in metrics(tmp_path / name)]
-    for name in ("vpp", "dynamic_cp"):
-        assert _close(rows[name], rows["one"]), (name, rows[name], rows["one"])
+    assert _close(rows["vpp"], rows["one"]), (rows["vpp"], rows["one"])
 
 
 def test_a_split_dependent_balance_loss_is_refused_and_the_per_sequence_one_is_run(tmp_path, moe_model):
@@ -178,10 +175,32 @@ def test_grpo_replays_the_engines_routes_and_reports_how_often_fresh_routing_dif
     assert all(0.5 < r["router_replay_mismatch"] < 1.0 for r in records), records
 
 
+def test_a_rollout_without_routes_exits_2_naming_its_line(tmp_path, moe_model):
+    rollouts = _replay_rollouts(tmp_path / "r.jsonl", change=lambda rows: rows[2].pop("routed_experts"))
+    proc = train(tmp_path / "run", f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY, "--dry-run")
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    assert "r.jsonl:3 (group 1) has no routed_experts" in proc.stderr, proc.stderr[-2000:]
+
+
+def _refusal(tmp_path, *overrides) -> str:
+    """The `ConfigError` the train command's checks raise (in this process: the exit-2 path is the test
+    above's), with the test runs' small settings."""
+    from mcore_packing.app.config import ConfigError
+    from mcore_packing.app.train_command import compose_config
+    from mcore_packing.app.trainer import prepare_run
+
+    from .test_train import SMALL
+
+    given = {o.split("=", 1)[0] for o in overrides}
+    args = [*(o for o in SMALL if o.split("=", 1)[0] not in given), *overrides, f"run_dir={tmp_path / 'run'}"]
+    with pytest.raises(ConfigError) as info:
+        prepare_run(compose_config(None, args), 1, dry_run=True)
+    return str(info.value)
+
+
 @pytest.mark.parametrize(
     ("change", "overrides", "fragment"),
     [
-        (lambda rows: rows[2].pop("routed_experts"), [], "r.jsonl:3 (group 1) has no routed_experts"),
         (lambda rows: rows[1]["routed_experts"][0][0].__setitem__(1, rows[1]["routed_experts"][0][0][0]), [],
          "r.jsonl:2 (group 0): routed_experts names experts"),
         (lambda rows: rows[0]["routed_experts"].append([[0, 1]] * 1), [], "r.jsonl:1 (group 0): routed_experts has"),
@@ -191,21 +210,20 @@ def test_grpo_replays_the_engines_routes_and_reports_how_often_fresh_routing_dif
         (None, ["model.recompute_granularity=full"], "grpo.router_replay=true: a fully recomputed forward"),
     ],
 )
-def test_bad_routes_exit_2_naming_the_line(tmp_path, moe_model, change, overrides, fragment):
+def test_bad_routes_are_refused_naming_the_line(tmp_path, moe_model, change, overrides, fragment):
     rollouts = _replay_rollouts(tmp_path / "r.jsonl", change=change)
-    proc = train(tmp_path / "run", f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY, *overrides,
-                 "--dry-run")  # fmt: skip
-    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
-    assert fragment in proc.stderr, proc.stderr[-2000:]
+    message = _refusal(tmp_path, f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY, *overrides)
+    assert fragment in message, message
 
 
 def test_routes_for_another_model_are_refused(tmp_path, moe_model):
     rollouts = _replay_rollouts(tmp_path / "r.jsonl", moe_layers=2)
-    proc = train(tmp_path / "run", f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY, "--dry-run")
-    assert proc.returncode == 2 and "routed_experts is [tokens, 2, 2] but the model has 1 MoE layers" in proc.stderr
+    message = _refusal(tmp_path, f"model.hf_path={moe_model}", f"grpo.rollouts={rollouts}", *REPLAY)
+    assert "routed_experts is [tokens, 2, 2] but the model has 1 MoE layers" in message, message
 
 
-def test_router_replay_on_a_dense_model_is_refused(tmp_path):
+def test_router_replay_on_a_dense_model_or_a_prepared_store_is_refused(tmp_path):
     rollouts = _replay_rollouts(tmp_path / "r.jsonl")
-    proc = train(tmp_path / "run", f"grpo.rollouts={rollouts}", *REPLAY, "--dry-run")
-    assert proc.returncode == 2 and "grpo.router_replay=true replays the experts of a Mixture-of-Experts" in proc.stderr
+    assert "grpo.router_replay=true replays the experts of a Mixture-of-Experts" in _refusal(
+        tmp_path, f"grpo.rollouts={rollouts}", *REPLAY)
+    assert "prepared stores do not hold routed_experts yet" in _refusal(tmp_path, "data.prepared=/nowhere", *REPLAY)

@@ -4,9 +4,9 @@ to the experts recorded for it, and its loss, router loss and gradients equal an
 Reference: `replay_workers.replay_reference_worker` (records routes with an unpacked forward, perturbs the
 routers so fresh routing changes, then replays in plain torch, one sequence per forward). Under test: the
 samples' ``routed_experts`` through the planner, `prepare`, the schedule driver and `install_router_replay`
-at EP2 (DP4), TP2 + SP x EP2, CP2 x EP2 and PP2 x EP2. Every (layer, expert) count of routed real tokens
-equals the recorded routes' (pads counted nowhere); the negative control trains on fresh routing and must
-differ.
+at EP2 (DP4, with the log-prob pass), TP2 + SP x EP2, CP2 x EP2 and PP2 x EP2. Every (layer, expert)
+count of routed real tokens equals the recorded routes' (pads counted nowhere); the negative control trains
+on fresh routing and must differ.
 """
 
 from __future__ import annotations
@@ -48,27 +48,24 @@ def test_the_perturbed_routers_route_differently(reference):
     assert all(r.shape[1:] == (4, 2) and int(r.max()) < NUM_EXPERTS for r in reference["routes"])
 
 
-def test_one_rank_replay_logprobs_and_the_negative_control(reference):
-    replayed, fresh = run(1, [{"mode": "packing", "logprobs": True}, {"mode": "packing", "negative": "no_replay"}],
-                          reference)  # fmt: skip
-    check(replayed, reference)
-    for i, ref in enumerate(reference["logprobs"]):  # the log-prob pass replays too
-        torch.testing.assert_close(replayed["logprobs"][i, : ref.numel()], ref, rtol=1e-5, atol=1e-5)
-    assert abs(replayed["mismatch"] - reference["fresh_mismatch"]) < 0.02, (replayed["mismatch"], reference)
-    loss_err, _, grad_err = errors(fresh, reference)
-    assert loss_err > 10 * RTOL and grad_err > 1e-3 and not torch.equal(fresh["counts"], reference["counts"])
-
-
-FOUR_RANKS = [
-    {"ep": 2},
+LAYOUTS = [
+    {"ep": 2, "logprobs": True},
     {"tp": 2, "ep": 2},
     {"cp": 2, "ep": 2},
     {"pp": 2, "ep": 2},
+    {"ep": 2, "negative": "no_replay"},
 ]
+"""One 4-rank spawn: EP2 (DP4) with the log-prob pass, TP2 + SP x EP2, CP2 x EP2, PP2 x EP2, and the negative
+control (EP2 without the routes: fresh routing)."""
 
 
-def test_replay_at_ep_tp_sp_cp_pp(reference):
-    results = run(4, FOUR_RANKS, reference)
-    for result in results:
+def test_replay_at_ep_tp_sp_cp_pp_and_the_negative_control(reference):
+    results = run(4, LAYOUTS, reference)
+    for result in results[:-1]:
         check(result, reference)
+        assert abs(result["mismatch"] - reference["fresh_mismatch"]) < 0.02, (result["mismatch"], reference)
+    for i, ref in enumerate(reference["logprobs"]):  # the log-prob pass replays too
+        torch.testing.assert_close(results[0]["logprobs"][i, : ref.numel()], ref, rtol=1e-5, atol=1e-5)
     assert any(r["num_microbatches"] > 1 for r in results)
+    loss_err, _, grad_err = errors(results[-1], reference)
+    assert loss_err > 10 * RTOL and grad_err > 1e-3 and not torch.equal(results[-1]["counts"], reference["counts"])
