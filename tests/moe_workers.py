@@ -217,8 +217,8 @@ def _whole_row_balance():
 
     original = RouterLoss.begin_micro_batch
 
-    def whole_row(self, segments, lengths):
-        return original(self, torch.where(segments >= 0, 0, -1), lengths.sum().reshape(1))
+    def whole_row(self, segments, lengths, **kwargs):
+        return original(self, torch.where(segments >= 0, 0, -1), lengths.sum().reshape(1), **kwargs)
 
     RouterLoss.begin_micro_batch = whole_row
     return lambda: setattr(RouterLoss, "begin_micro_batch", original)
