@@ -320,4 +320,3 @@ def _layer_window(config, layer_number: int) -> tuple[int, int] | None:
     if right != 0 or left < 0:
         raise ValueError(f"window_size={tuple(window)}: causal attention takes (left >= 0, 0).")
     return left, right
-
