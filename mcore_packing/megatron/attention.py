@@ -88,11 +88,11 @@ class PackedCoreAttention(MegatronModule):
         """``softmax_offset``: one sink logit per head of this TP rank (learnable: a parameter split over TP
         like the heads; off-by-one: zeros), or None (vanilla softmax)."""
         kind = getattr(config, "softmax_type", "vanilla")
-        self.softmax_offset, self.tp_group = None, None
-        if kind == "vanilla":
-            return
         tp = getattr(pg_collection, "tp", None) if pg_collection is not None else None
         self.tp_group = tp
+        if kind == "vanilla":
+            self.softmax_offset = None
+            return
         heads = config.num_attention_heads // (tp.size() if tp is not None else config.tensor_model_parallel_size)
         if kind == "off-by-one":
             self.register_buffer("softmax_offset", torch.zeros(heads, dtype=config.params_dtype), persistent=False)
@@ -110,8 +110,9 @@ class PackedCoreAttention(MegatronModule):
         """The learnable sinks split over TP along the heads (Megatron's ``DotProductAttention`` layout)."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        learnable = isinstance(self.softmax_offset, torch.nn.Parameter)
-        state = self.state_dict(prefix="", keep_vars=True) if learnable else {}
+        if not isinstance(self.softmax_offset, torch.nn.Parameter):
+            return {}
+        state = self.state_dict(prefix="", keep_vars=True)
         dp_cp = (metadata or {}).get("dp_cp_group")
         return make_sharded_tensors_for_checkpoint(state, prefix, {"softmax_offset": 0}, sharded_offsets,
                                                    tp_group=self.tp_group, dp_cp_group=dp_cp)  # fmt: skip
