@@ -47,6 +47,34 @@ def test_varlen_backend_matches_sdpa_per_sequence_in_bf16():
         assert err < BF16_RTOL, float(err)
 
 
+def test_windows_and_sinks_on_the_gpu_in_bf16_match_the_cpu_in_fp32():
+    """The explicit path of windowed, sink-carrying layers (GPT-OSS's attention) on CUDA in bf16, with
+    sequences longer than its 1024-query blocks, against the same module on the CPU in fp32."""
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_packing.megatron import to_packed_seq_params
+    from mcore_packing.megatron.attention import PackedCoreAttention
+
+    from .megatron_workers import tiny_attention_config
+
+    config = dataclasses.replace(tiny_attention_config(), window_size=(127, 0), softmax_type="learnable")
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in (1500, 1, 77, 300)], PaddingRule())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch.total_tokens, 4, 64, generator=g) for _ in range(3))
+    cpu = PackedCoreAttention(config, 1, AttnMaskType.causal)
+    with torch.no_grad():
+        cpu.softmax_offset.normal_(0.0, 1.0, generator=g)
+    gpu = PackedCoreAttention(config, 1, AttnMaskType.causal).cuda().to(torch.bfloat16)
+    gpu.load_state_dict(cpu.state_dict())
+    assert gpu.window == (127, 0)
+    want = cpu(q, k, v, None, packed_seq_params=to_packed_seq_params(batch)).float()
+    cuda = [t.cuda().to(torch.bfloat16) for t in (q, k, v)]
+    got = gpu(*cuda, None, packed_seq_params=to_packed_seq_params(batch, device="cuda")).float().cpu()
+    assert ((got - want).abs().max() / want.abs().max()) < BF16_RTOL
+
+
 def test_partition_agrees_with_transformer_engine():
     fn = compat.te_thd_partitioned_indices()
     if fn is None:
