@@ -51,8 +51,9 @@ HF_FAMILIES = {
 _REFUSED = {
     "deepseek_v3": ("kv_lora_rank", "its multi-head latent attention (kv_lora_rank={}) and grouped, node-limited "
                     "routing are not in our layer spec"),
-    "gpt_oss": ("sliding_window", "its learned attention sinks and alternating sliding windows (sliding_window={}) "
-                "are not in our layer spec"),
+    "gpt_oss": ("sliding_window", "its checkpoints do not convert yet (the packed attention runs its sinks and "
+                "alternating sliding windows, sliding_window={}, but not its YaRN RoPE, biased router and experts or "
+                "clamped SwiGLU)"),
 }  # fmt: skip
 """MoE families people ask for that do not convert exactly: the field, and why."""
 
