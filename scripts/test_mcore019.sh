@@ -26,7 +26,7 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   "tests/test_pg_packed.py::test_single_rank_packed_and_dynamic_pg_equal_unpacked" \
   "tests/test_pg_objectives.py::test_every_objective_at_one_rank_packed_dynamic_and_half_budget" \
   "tests/test_pg_objectives.py::test_log_probs_in_chunks_equal_them_computed_whole" tests/test_chunked_logprobs.py \
-  tests/test_memory_model.py tests/test_router_replay.py tests/test_windows_and_sinks.py \
+  tests/test_memory_model.py tests/test_router_replay.py \
   "tests/test_rm.py::test_the_train_command_trains_a_reward_model_and_refuses_dpos_bad_pairs" \
   "tests/test_hf_conversion.py::test_each_family_imports_with_hf_logits" \
   "tests/test_hf_conversion.py::test_tp2_pp2_together" \
