@@ -79,8 +79,6 @@ def test_expert_parallel_two_ranks(reference):
         check(result, reference)
 
 
-
-
 VPP_AND_DYNAMIC_CP = [
     {"pp": 2, "vpp": 2, "ep": 2, "mode": "packing", "train_mb_tokens": 48},
     {"pp": 2, "vpp": 2, "ep": 2, "mode": "dynamic"},
