@@ -115,3 +115,27 @@ def test_a_reward_model_runs_only_value_losses_and_a_language_model_only_log_pro
         _check_head(language, uses_labels=False)
     _check_head(reward, uses_labels=False)  # the controls: each with its own kind of loss
     _check_head([language], uses_labels=True)
+
+
+def test_routes_are_laid_out_like_the_tokens_and_never_dropped_silently():
+    """`prepare` puts each sample's routes at its tokens (-1 at pads and a missing last row) and refuses rows
+    that do not match the tokens; routes reaching a model without replay, and a rollout with routes sent to
+    a prepared store, are refused rather than ignored."""
+    import numpy as np
+
+    from mcore_packing.app.prepare_records import _one_rollout
+    from mcore_packing.megatron.moe_inputs import _replay_routes
+    from mcore_packing.megatron.prepare import _routes
+
+    a, b = np.array([[[0, 1]], [[2, 3]], [[1, 2]]]), np.array([[[3, 0]]])  # 3 tokens; 2 tokens, last row missing
+    laid = _routes([SequenceSample([5, 6, 7], None, a), SequenceSample([8, 9], None, b)], [0, 4], 8)
+    assert laid[:3].tolist() == a.tolist() and laid[4].tolist() == b[0].tolist()
+    assert (laid[[3, 5, 6, 7]] == -1).all()  # the pad after the first sample, the second's last token, the row's pads
+    with pytest.raises(ValueError, match="a sample of 3 tokens has 1 rows of routed_experts"):
+        _routes([SequenceSample([5, 6, 7], None, b)], [0], 4)
+    chunk = types.SimpleNamespace(config=types.SimpleNamespace(sequence_parallel=False))
+    with pytest.raises(ValueError, match=r"the model replays no routes: call install_router_replay\(model\)"):
+        _replay_routes(types.SimpleNamespace(routes=laid[None]), chunk, None)
+    record = {"prompt_tokens": [1], "response_tokens": [2], "reward": 1.0, "group_id": 0, "routed_experts": a[:2]}
+    with pytest.raises(ValueError, match=r"r\.jsonl:1 carries routed_experts, which a prepared store does not hold"):
+        _one_rollout("r.jsonl:1", record)
