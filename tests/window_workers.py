@@ -17,7 +17,6 @@ as one sequence (a window then reaches across the packed boundary).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .step_workers import (
     _init,
@@ -27,6 +26,7 @@ from .step_workers import (
     gather_results,
     load_sharded,
     model_config,
+    sequence_logprobs,
     wrap_in_ddp,
 )
 
@@ -67,15 +67,10 @@ def window_reference_worker(rank, world_size, samples, windows):
             with torch.no_grad():
                 for layer in model.decoder.layers:
                     layer.self_attention.core_attention.softmax_offset.normal_(0.0, 1.0)
-            tokens = [torch.tensor(s["tokens"]) for s in samples]
             masks = [torch.tensor(s["loss_mask"], dtype=torch.float32) for s in samples]
             total = sum(m[1:].sum() for m in masks)
-            loss = torch.zeros(())
-            for t, m in zip(tokens, masks, strict=True):
-                n = t.numel()
-                causal = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)[None, None]
-                logits = model(t[None], torch.arange(n)[None], causal)[0]
-                loss = loss + (F.cross_entropy(logits[:-1], t[1:], reduction="none") * m[1:]).sum() / total
+            logprobs = sequence_logprobs(model, [s["tokens"] for s in samples])  # one forward per sequence
+            loss = sum(-(logp * m[1:]).sum() for logp, m in zip(logprobs, masks, strict=True)) / total
             loss.backward()
             out[window] = {
                 "loss": float(loss.detach()),

@@ -42,7 +42,7 @@ from ..planning.step_config import StepPlanConfig
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
 from ._patches.rope_cp_group import rope_cp_group
-from .moe_inputs import begin_moe_micro_batch, is_moe, router_losses
+from .moe_inputs import begin_moe_micro_batch, is_moe, replayed_routes_cleared, router_losses
 from .packed_seq import bshd_cp_params
 from .prepare import count_targets, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
@@ -71,11 +71,12 @@ def forward_backward_dynamic_cp(
     groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
     totals = StepTotals.all_reduce(*_local_counts(plan, mine, groups.rank, samples), process_groups.dp_cp)
-    weights = loss.token_weights
-    prepared = [_prepare_row(row, samples, plan, process_groups, weights, totals, device, model) for row in mine]
     from megatron.core.utils import get_model_config
 
-    per_token = bool(getattr(get_model_config(_chunk(model)), "calculate_per_token_loss", False))
+    model_config = get_model_config(_chunk(model))
+    moe, weights = is_moe(model_config), loss.token_weights
+    prepared = [_prepare_row(row, samples, plan, process_groups, weights, totals, device, moe) for row in mine]
+    per_token = bool(getattr(model_config, "calculate_per_token_loss", False))
     moe_losses = [] if forward_only else router_losses(_chunk(model))
     scale = totals.num_tokens if per_token else process_groups.dp_size * len(prepared)  # as the static step's
     for router_loss in moe_losses:
@@ -116,7 +117,10 @@ def compute_logprobs_dynamic_cp(
     samples written by the row's first rank (after the gather over its sub-group) and summed over DP x CP."""
     groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
-    prepared = [_prepare_row(row, samples, plan, process_groups, None, None, device, model) for row in mine]
+    from megatron.core.utils import get_model_config
+
+    moe = is_moe(get_model_config(_chunk(model)))
+    prepared = [_prepare_row(row, samples, plan, process_groups, None, None, device, moe) for row in mine]
     out = torch.zeros((len(samples), max(max(plan.lengths) - 1, 0)), dtype=torch.float32, device=device)
 
     def loss_func(prep, row_groups: ProcessGroups, output: torch.Tensor):
@@ -165,9 +169,9 @@ def _local_counts(plan: DynamicCPPlan, mine: list[CPRow], rank: int, samples) ->
 
 
 def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: ProcessGroups, normalization, totals,
-                 device, model):  # fmt: skip
-    """The row as a static micro-batch of CP ``row.cp_size`` whose CP group is the row's sub-group: the
-    prepared micro-batch and the row's process groups."""
+                 device, moe: bool):  # fmt: skip
+    """The row as a static micro-batch of CP ``row.cp_size`` whose CP group is the row's sub-group (``moe``:
+    with each token's sequence index for the routers): the prepared micro-batch and the row's process groups."""
     cfg = plan.config
     layout = ParallelLayout(cp=row.cp_size, tp=cfg.layout.tp, sequence_parallel=cfg.layout.sequence_parallel)
     row_config = StepPlanConfig(mode=cfg.mode, train_mb_tokens=cfg.max_tokens_per_rank, layout=layout,
@@ -178,9 +182,6 @@ def _prepare_row(row: CPRow, samples, plan: DynamicCPPlan, process_groups: Proce
                         micro_batches=((mb,),), row_capacity=cfg.capacity(row.cp_size),
                         groups=plan.groups)  # fmt: skip
     row_groups = process_groups.for_cp_group(process_groups.dynamic_cp.group(row.cp_size, row.first_rank))
-    from megatron.core.utils import get_model_config
-
-    moe = is_moe(get_model_config(_chunk(model)))
     prep = prepare_micro_batch(mb, samples, row_plan, row_groups, totals=totals, normalization=normalization,
                                device=device, segments=moe)  # fmt: skip
     if row.width:  # BSHD rows: params that carry the row's group (a THD row's already do)
@@ -202,16 +203,17 @@ def _run(model, prepared: list, loss_func, process_groups: ProcessGroups, *, for
                                  packed_seq_params=prep.packed_seq_params, **extra)  # fmt: skip
         return output, partial(loss_func, prep, row_groups)
 
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter(prepared),
-        model=[_chunk(model)],
-        num_microbatches=len(prepared),
-        seq_length=max((prep.tokens.shape[1] for prep, _ in prepared), default=1),
-        micro_batch_size=1,
-        forward_only=forward_only,
-        pg_collection=process_groups.collection,
-    )
+    with replayed_routes_cleared(model):
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(prepared),
+            model=[_chunk(model)],
+            num_microbatches=len(prepared),
+            seq_length=max((prep.tokens.shape[1] for prep, _ in prepared), default=1),
+            micro_batch_size=1,
+            forward_only=forward_only,
+            pg_collection=process_groups.collection,
+        )
 
 
 def _chunk(model):

@@ -12,13 +12,15 @@ the row's CP sub-group) instead of the run's static TP x CP group.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from .process_groups import ProcessGroups, group_rank
 from .router_loss import attached_router_loss
 from .router_replay import attached_router_replay
 
-__all__ = ["begin_moe_micro_batch", "is_moe", "router_losses"]
+__all__ = ["begin_moe_micro_batch", "is_moe", "replayed_routes_cleared", "router_losses"]
 
 
 def is_moe(model_config) -> bool:
@@ -30,6 +32,19 @@ def router_losses(model) -> list:
     """The `RouterLoss` of every chunk of ``model`` that has one."""
     chunks = model if isinstance(model, list) else [model]
     return [loss for loss in (attached_router_loss(chunk) for chunk in chunks) if loss is not None]
+
+
+@contextmanager
+def replayed_routes_cleared(model):
+    """Around one run of the schedule: afterwards no router of ``model`` keeps the last micro-batch's routes
+    (a forward outside a step routes afresh)."""
+    try:
+        yield
+    finally:
+        for chunk in model if isinstance(model, list) else [model]:
+            replay = attached_router_replay(chunk)
+            if replay is not None:
+                replay.end_step()
 
 
 def begin_moe_micro_batch(prep, model_chunk, process_groups: ProcessGroups, *, reduce_groups=None) -> dict:

@@ -48,6 +48,7 @@ import torch
 
 from ..collectives import all_reduce, all_reduce_values
 from ..planning.model_shape import MOE_LOAD_BALANCING, check_balance_loss
+from .router_replay import is_replaying
 
 __all__ = ["RouterLoss", "RouterLossConfig", "attached_router_loss"]
 
@@ -176,8 +177,7 @@ class RouterLoss:
         share = logits.new_zeros(())
         values = []
         if self.config.balance_on:
-            replayed = getattr(getattr(router, "router_replay", None), "target", None) is not None
-            used = routing_map.reshape(-1, num_experts) if replayed else None  # router replay: the replayed map
+            used = routing_map.reshape(-1, num_experts) if is_replaying(router) else None  # the replayed map
             balance = self._balance_share(router, logits, segments.clamp_min(0), pads, num_experts, used)
             share = share + self.config.balance_coeff * balance / step.num_sequences
             values.append(balance.detach() / step.num_sequences)

@@ -32,7 +32,7 @@ import torch
 
 from ..collectives import all_reduce
 
-__all__ = ["RouterReplay", "attached_router_replay", "install_router_replay"]
+__all__ = ["RouterReplay", "attached_router_replay", "install_router_replay", "is_replaying"]
 
 _ATTR = "_mcore_packing_router_replay"
 
@@ -115,10 +115,6 @@ class RouterReplay:
         differ, routed = (int(v) for v in all_reduce(counts, None).cpu())
         return {"router_replay_mismatch": differ / routed} if routed else {}
 
-    def remove(self) -> None:
-        for layer in self.layers:
-            layer.target = None
-        self.layers.clear()
 
 
 def _check_config(config) -> None:
@@ -147,6 +143,12 @@ def _moe_layer_numbers(config) -> list[int]:
     freq = config.moe_layer_freq
     pattern = freq if isinstance(freq, list) else [int(i % freq == 0) for i in range(config.num_layers)]
     return [i + 1 for i, moe in enumerate(pattern) if moe]
+
+
+def is_replaying(router) -> bool:
+    """Whether ``router`` (a Megatron router) routes the current micro-batch by replayed routes."""
+    replay = getattr(router, "router_replay", None)
+    return isinstance(replay, _LayerReplay) and replay.target is not None
 
 
 def attached_router_replay(model) -> RouterReplay | None:

@@ -42,7 +42,7 @@ from ..planning.dynamic_cp import DynamicCPPlan
 from ..planning.pipeline import check_interleaved_count
 from ..planning.step_plan import StepPlan
 from ..thd.loss_weights import StepTotals, megatron_loss_output
-from .moe_inputs import begin_moe_micro_batch, is_moe, router_losses
+from .moe_inputs import begin_moe_micro_batch, is_moe, replayed_routes_cleared, router_losses
 from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
 from .shared_prefix import attach_shared_prefix, score_extra_rows, shared_prefix_of
@@ -204,17 +204,18 @@ def _run_schedule(
         p2p = P2PCommunicator(pp_group=process_groups.pp, config=get_model_config(chunks[0]))
     # Interleaved: every chunk reads the micro-batches in order, each from its own iterator.
     data = iter(prepared) if len(chunks) == 1 else [iter(prepared) for _ in chunks]
-    return get_forward_backward_func()(
-        forward_step_func=_forward_step(loss_func, process_groups, labels=labels),
-        data_iterator=data,
-        model=chunks,
-        num_microbatches=len(prepared),
-        seq_length=max(s[1] for s in shapes),  # p2p shapes; ignored with variable sequence lengths
-        micro_batch_size=rows,
-        forward_only=forward_only,
-        p2p_communicator=p2p,
-        pg_collection=process_groups.collection,
-    )
+    with replayed_routes_cleared(chunks):
+        return get_forward_backward_func()(
+            forward_step_func=_forward_step(loss_func, process_groups, labels=labels),
+            data_iterator=data,
+            model=chunks,
+            num_microbatches=len(prepared),
+            seq_length=max(s[1] for s in shapes),  # p2p shapes; ignored with variable sequence lengths
+            micro_batch_size=rows,
+            forward_only=forward_only,
+            p2p_communicator=p2p,
+            pg_collection=process_groups.collection,
+        )
 
 
 def _forward_step(loss_func, process_groups: ProcessGroups, *, labels: bool = True):
