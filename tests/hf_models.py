@@ -2,7 +2,9 @@
 
 Every parameter is drawn at random (norm weights around 1, biases around 0): with the library's default
 initialization all norm weights are 1 and biases 0, and a converter that swapped two norms or dropped a
-bias would still match.
+bias would still match. GPT-OSS's sinks and router bias are drawn at scale 1 (so a sink or a bias moves
+the result well past the tolerance), and its experts' gate/up weights at scale 1, so that about a third
+of the gate and up values pass the clamp at +-7 (the clamp is exercised, not idle).
 """
 
 from __future__ import annotations
@@ -52,7 +54,16 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                                          shared_expert_intermediate_size=80, norm_topk_prob=False,
                                          rope_theta=1000000.0)),
+    # GPT-OSS: a window of 4 tokens on layer 0 (the test sequences run to 25), full attention on layer 1,
+    # YaRN x4 over an original context of 64 (its ramp and attention factor 1.139 both matter), sinks,
+    # biases everywhere, clamped SwiGLU experts.
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                     layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256,
+                                     rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=4.0,
+                                                          beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                                          original_max_position_embeddings=64))),
 }  # fmt: skip
+_UNIT_SCALE = ("sinks", "router.bias", "gate_up_proj")  # drawn at scale 1 (module docstring)
 
 
 def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
@@ -60,7 +71,7 @@ def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
     import transformers
 
     class_name, extra = FAMILIES[family]
-    config = getattr(transformers, class_name)(**BASE, **extra)
+    config = getattr(transformers, class_name)(**{**BASE, **extra})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)
@@ -68,6 +79,8 @@ def make_tiny(family: str, folder: Path, seed: int = 0) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(_UNIT_SCALE):
+                p.copy_(torch.randn(p.shape, generator=g))
             else:
                 p.copy_(0.05 * torch.randn(p.shape, generator=g))
     model.save_pretrained(folder, safe_serialization=True)
@@ -120,7 +133,7 @@ def make_chat_model(folder: Path, vocab_size: int = 384, family: str = "qwen2") 
     import transformers
 
     class_name, extra = FAMILIES[family]
-    config = getattr(transformers, class_name)(**{**BASE, "vocab_size": vocab_size}, **extra)
+    config = getattr(transformers, class_name)(**{**BASE, "vocab_size": vocab_size, **extra})
     torch.manual_seed(1)
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
     return make_tokenizer(folder, vocab_size)

@@ -6,8 +6,18 @@ import torch
 
 from .megatron_workers import init_megatron
 
+# Negative controls that change the model's shape: each drops one part of a family (GPT-OSS: the window,
+# the sinks, YaRN's scaling, the clamp) or flips the routing normalization.
+_SHAPE_PATCHES = {
+    "flip_topk_norm": lambda s: {"moe_router_topk_norm": not s.moe_router_topk_norm},
+    "no_window": lambda s: {"window_size": None, "window_layers": ()},
+    "no_sinks": lambda s: {"attention_sinks": False},
+    "no_yarn": lambda s: {"yarn_factor": None},
+    "no_clamp": lambda s: {"swiglu_limit": None},
+}
 
-def _build(folder, tp, pp, patch=None, ep=1, sp=False):
+
+def _build(folder, tp, pp, patch=None, ep=1, sp=False, cp=1):
     import dataclasses
 
     import torch.distributed as dist
@@ -17,16 +27,18 @@ def _build(folder, tp, pp, patch=None, ep=1, sp=False):
     from mcore_packing.planning import ParallelLayout
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
-    init_megatron(tp=tp, pp=pp, ep=ep)
+    init_megatron(tp=tp, pp=pp, ep=ep, cp=cp)
     shape = shape_from_hf_config(read_hf_config(folder))
-    if patch == "flip_topk_norm":  # negative control: the other routing normalization
-        shape = dataclasses.replace(shape, moe_router_topk_norm=not shape.moe_router_topk_norm)
-    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
+    if patch in _SHAPE_PATCHES:
+        shape = dataclasses.replace(shape, **_SHAPE_PATCHES[patch](shape))
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp)
     with cpu_device_adapter():
         model, _ = build_gpt_model(shape, layout, attention_backend="local")
     if patch == "swap_gate_up":  # negative control: [up; gate] instead of [gate; up]
         kind, names = hf_weights._PER_LAYER["mlp.linear_fc1.weight"]
         hf_weights._PER_LAYER["mlp.linear_fc1.weight"] = (kind, names[::-1])
+    if patch == "gate_up_halves":  # negative control: GPT-OSS's gate/up read as halves, not interleaved
+        hf_weights._read_expert = _halves(hf_weights._read_expert)
     import resource
     import time
 
@@ -38,8 +50,34 @@ def _build(folder, tp, pp, patch=None, ep=1, sp=False):
     return model, shape, stats
 
 
-def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False):
-    """Full-vocabulary logits per sequence (one forward each, and one packed THD forward; PP=1), and
+def _halves(read_expert):
+    def read(hf, kind, name, cut):
+        if kind != "stacked_gate_up":
+            return read_expert(hf, kind, name, cut)
+        value = read_expert(hf, kind, name, cut)  # [gate; up] de-interleaved -> the same values re-cut as halves
+        return torch.stack(value.chunk(2), dim=1).reshape(value.shape)
+
+    return read
+
+
+def variants_worker(rank, world_size, folder, sequences, patches):
+    """Per patch in ``patches`` (negative controls), each sequence's logits, one forward each (TP=PP=1)."""
+    from megatron.core import parallel_state as ps
+
+    from mcore_packing.megatron import cpu_device_adapter
+
+    out = {}
+    for patch in patches:
+        model, shape, _ = _build(folder, 1, 1, patch)
+        with cpu_device_adapter(), torch.no_grad():
+            out[patch] = [model.module(torch.tensor([s]), torch.arange(len(s))[None], None)[0][:, : shape.vocab_size]
+                          for s in sequences]  # fmt: skip
+        ps.destroy_model_parallel()
+    return out
+
+
+def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False, cp=1):
+    """Full-vocabulary logits per sequence (one forward each, and one packed THD forward; PP=1, CP=1), and
     next-token log-probs of every sequence through Megatron's schedule from packed micro-batches."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -48,7 +86,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
 
-    model, shape, stats = _build(folder, tp, pp, patch, ep, sp)
+    model, shape, stats = _build(folder, tp, pp, patch, ep, sp, cp)
     module = model.module
     out = {"stats": stats}
 
@@ -58,7 +96,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
         return torch.cat(parts, dim=-1)[:, : shape.vocab_size]
 
     with cpu_device_adapter(), torch.no_grad():
-        if pp == 1:
+        if pp == 1 and cp == 1:
             if not sp:  # (sequence parallelism needs rows padded to a TP multiple: the packed forward below)
                 out["alone"] = [
                     full_vocab(module(torch.tensor([s]), torch.arange(len(s))[None], None)[0]) for s in sequences
@@ -73,7 +111,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
             starts = batch.cu_seqlens_padded.tolist()
             out["packed"] = [packed[a : a + len(s)] for a, s in zip(starts, sequences, strict=False)]
         lengths = [len(s) for s in sequences]
-        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, ep=ep, sequence_parallel=sp)
+        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp)
         config = StepPlanConfig(train_mb_tokens=64, layout=layout)
         plan = plan_step(lengths, config, forward_only=True)
         samples = [SequenceSample(s) for s in sequences]

@@ -95,7 +95,7 @@ def _with(config, **changes):
     "config, fragment",
     [
         ({**LLAMA3_V4, "model_type": "gpt2"}, "model_type='gpt2'"),
-        (_with(LLAMA3_V4, rope_rope_type="yarn"), "rope_type='yarn' is not supported"),
+        (_with(LLAMA3_V4, rope_rope_type="longrope"), "rope_type='longrope' is not supported"),
         (_with(LLAMA3_V4, rope_low_freq_factor=2.0), "low_freq_factor=1.0"),
         (_with(LLAMA3_V4, hidden_act="gelu"), "hidden_act='gelu'"),
         (_with(LLAMA3_V4, mlp_bias=True), "mlp_bias=True"),

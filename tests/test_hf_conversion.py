@@ -3,7 +3,8 @@
 Tiny random models of each family (tests/hf_models.py) are saved with transformers, imported with
 `mcore_packing.megatron.hf_weights`, and compared with the same model run by transformers, sequence by
 sequence, in fp32: at TP=PP=1 and on real gloo ranks at TP=2 and PP=2, one sequence per forward and
-packed THD rows. A converter with gate and up swapped must fail the same comparison.
+packed THD rows. A converter with gate and up swapped must fail the same comparison, and so must a
+GPT-OSS model without any one of its parts (window, sinks, YaRN, clamp, interleaved gate/up).
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def test_each_family_imports_with_hf_logits(checkpoints, family):
         ("mixtral", 1, 2, 1),
         ("qwen2_moe", 2, 2, 1),
         ("qwen3_moe", 2, 1, 2),
+        ("gpt_oss", 1, 2, 2),
     ],
 )
 def test_moe_families_import_at_expert_and_tensor_parallel_sizes(checkpoints, family, tp, ep, pp):
@@ -87,6 +89,26 @@ def test_moe_families_import_at_expert_and_tensor_parallel_sizes(checkpoints, fa
         assert results[0]["stats"]["tensors_read"] < run_distributed(
             "tests.hf_workers:logits_worker", 1, folder=str(folders[family]), sequences=SEQUENCES[:1]
         )[0]["stats"]["tensors_read"]
+
+
+@pytest.mark.multirank
+def test_gpt_oss_at_cp2_with_its_experts_over_two_ranks(checkpoints):
+    """CP2 x EP2 on two ranks: each sequence split into 4 chunks (a window of 4 and the sinks over the CP
+    ranks' shares, YaRN at global positions), the experts' tokens moved by the all-to-all."""
+    folders, references = checkpoints
+    results = run_distributed("tests.hf_workers:logits_worker", 2, folder=str(folders["gpt_oss"]), sequences=SEQUENCES,
+                              cp=2, ep=2)  # fmt: skip
+    assert check(results[0], references["gpt_oss"])["logprobs"] <= 1e-5
+
+
+@pytest.mark.multirank
+def test_negative_control_gpt_oss_without_each_of_its_parts_is_caught(checkpoints):
+    folders, references = checkpoints
+    patches = ["no_window", "no_sinks", "no_yarn", "no_clamp", "gate_up_halves"]
+    (result,) = run_distributed("tests.hf_workers:variants_worker", 1, folder=str(folders["gpt_oss"]),
+                                sequences=SEQUENCES, patches=patches)  # fmt: skip
+    errors = {p: max(rel_err(a, b) for a, b in zip(result[p], references["gpt_oss"], strict=True)) for p in patches}
+    assert all(e > 100 * RTOL for e in errors.values()), errors
 
 
 @pytest.mark.multirank
@@ -142,7 +164,8 @@ def _merge(results, shape):
 
 @pytest.mark.multirank
 @pytest.mark.parametrize(
-    "family, tp, pp", [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1), ("qwen3_moe", 1, 2), ("mixtral", 1, 1)]
+    "family, tp, pp",
+    [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1), ("qwen3_moe", 1, 2), ("mixtral", 1, 1), ("gpt_oss", 1, 2)],
 )
 def test_import_then_export_is_bit_exact(checkpoints, tmp_path, family, tp, pp):
     from safetensors.torch import load_file
@@ -172,7 +195,7 @@ def test_import_then_export_is_bit_exact(checkpoints, tmp_path, family, tp, pp):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss"])
 def test_after_a_packed_sft_step_the_export_loads_in_transformers(checkpoints, tmp_path, family):
     from mcore_packing.megatron.hf_folder import save_hf_folder
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config

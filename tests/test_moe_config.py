@@ -1,5 +1,5 @@
-"""Mixture-of-Experts shapes (#23, first part): HF config.json <-> `ModelShape` for Qwen3-MoE, Mixtral and
-Qwen2-MoE against transformers' own models (parameter counts and which layers are MoE), the refused
+"""Mixture-of-Experts shapes (#23, first part; GPT-OSS #42): HF config.json <-> `ModelShape` for Qwen3-MoE,
+Mixtral, Qwen2-MoE and GPT-OSS against transformers' own models (parameter counts and which layers are MoE), the refused
 families, the published parameter counts of the recipes, the MoE cost model by hand, expert parallelism
 in the layout, and the refusal of a balance loss that is not yet exact when packed."""
 
@@ -18,6 +18,8 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", dict(intermediate_size=48, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=96, num_experts=6, num_experts_per_tok=2,
                                          moe_intermediate_size=32, shared_expert_intermediate_size=80)),
+    "gpt_oss": ("GptOssConfig", dict(intermediate_size=48, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=8)),
 }  # fmt: skip
 
 
@@ -75,7 +77,10 @@ def test_what_each_family_routes_like():
     ("config_class", "extra", "fragment"),
     [
         ("DeepseekV3Config", {}, "multi-head latent attention (kv_lora_rank=512)"),
-        ("GptOssConfig", {}, "its checkpoints do not convert yet (the packed attention runs its sinks"),
+        ("GptOssConfig", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config='mxfp4'"),
+        ("GptOssConfig", {"swiglu_alpha": 1.0}, "swiglu_alpha=1.0 is not supported: Megatron's quick_gelu"),
+        ("GptOssConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.7,
+                                              "original_max_position_embeddings": 64}}, "rope mscale=0.7"),
         ("MixtralConfig", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
         ("MixtralConfig", {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
     ],
@@ -146,6 +151,23 @@ def test_expert_parallelism_is_a_layout_dimension():
     ParallelLayout.for_world(4, tp=2, cp=2, ep=2, sequence_parallel=True).check_experts(6)  # control: EP over DP x CP
 
 
+def test_gpt_oss_is_what_its_config_says_and_runs_at_tp1():
+    config, _ = _hf_model("gpt_oss")
+    shape = shape_from_hf_config(config.to_dict())
+    assert (shape.window_size, shape.window_layers, shape.attention_sinks, shape.swiglu_limit) == (8, (0, 2), True, 7.0)
+    assert (shape.yarn_factor, shape.yarn_original_max_position_embeddings, shape.yarn_truncate) == (32.0, 4096, False)
+    assert shape.linear_bias and shape.qkv_bias and shape.moe_router_topk_norm and shape.window_per_layer() == [
+        True, False, True, False]  # fmt: skip
+    with pytest.raises(ValueError, match=r"parallel\.tp=2: this model's experts have biases"):
+        ParallelLayout(tp=2, sequence_parallel=True).check_experts(4, biased=True)
+    ParallelLayout(ep=2, cp=2).check_experts(4, biased=True)  # control: TP1 with EP and CP
+    with pytest.raises(ValueError, match=r"layer_types=\['chunked_attention'"):
+        shape_from_hf_config({**config.to_dict(), "layer_types": ["chunked_attention"] * 4})
+    qwen = shape_from_hf_config(_hf_model("qwen3_moe")[0].to_dict())
+    with pytest.raises(ValueError, match=r"model\.family=qwen3_moe with model\.attention_sinks=True: the Hugging"):
+        hf_config_from_shape(ModelShape(**{**qwen.to_dict(), "attention_sinks": True}))  # export would drop them
+
+
 def test_moe_shape_settings_are_checked():
     base = dict(num_layers=2, gated_mlp=True, linear_bias=False, num_experts=4)
     with pytest.raises(ValueError, match=r"moe_router_topk=5 must be between 1 and model\.num_experts=4"):
@@ -172,7 +194,7 @@ def test_the_default_model_becomes_an_moe_with_its_keys_and_a_split_dependent_ba
     moe = ["model.num_experts=4", "model.gated_mlp=true", "model.linear_bias=false", f"run_dir={tmp_path}"]
     assert main(["--dry-run", *moe]) == 0
     assert main(["--dry-run", "model.num_experts=4"]) == 2
-    assert "set model.gated_mlp=true model.linear_bias=false" in capsys.readouterr().err
+    assert "set model.gated_mlp=true" in capsys.readouterr().err
     assert main(["--dry-run", *moe, "model.moe_aux_loss_coeff=0.01", "model.moe_z_loss_coeff=0.001"]) == 0
     for kind, reason in [("aux_loss", "computed per micro-batch"), ("global_aux_loss", "seen so far in the step")]:
         assert main([*moe, f"model.moe_load_balancing={kind}", "model.moe_aux_loss_coeff=0.01"]) == 2

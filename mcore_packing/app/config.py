@@ -492,7 +492,7 @@ def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
     except ValueError as exc:
         raise ConfigError(str(exc), key="parallel.tp") from None
     try:
-        layout.check_experts(shape.num_experts)
+        layout.check_experts(shape.num_experts, biased=shape.is_moe and shape.linear_bias)
     except ValueError as exc:
         raise ConfigError(str(exc), key="parallel.ep") from None
     try:

@@ -36,6 +36,7 @@ __all__ = [
     "RECIPES",
     "apply_packing",
     "family_model",
+    "gpt_oss_20b_grpo",
     "llama3_8b_sft_packed",
     "llama3_70b_sft_long_context",
     "llama32_1b_sft_single_gpu",
@@ -88,6 +89,14 @@ HF_CONFIGS = {
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, rms_norm_eps=1e-5,
                          max_position_embeddings=32768, rope_theta=1000000.0, num_local_experts=8,
                          num_experts_per_tok=2, router_aux_loss_coef=0.02, sliding_window=None),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        rms_norm_eps=1e-5, max_position_embeddings=131072, rope_theta=150000.0,
+                        rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                          original_max_position_embeddings=4096),
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128, swiglu_limit=7.0,
+                        attention_bias=True, router_aux_loss_coef=0.9, tie_word_embeddings=False,
+                        layer_types=["sliding_attention", "full_attention"] * 12),
 }  # fmt: skip
 
 
@@ -301,6 +310,28 @@ def qwen3_30b_a3b_grpo(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfi
     )  # fmt: skip
 
 
+def gpt_oss_20b_grpo(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
+    """gpt-oss-20b GRPO policy step with router replay (``grpo.router_replay``: the rollouts carry the
+    engine's ``routed_experts``): TP1 (Megatron-Core has expert biases only at expert TP 1), its 32 experts
+    (top-4) over up to 8 expert-parallel ranks, 64 prompts x 8 responses. The checkpoint must be the
+    bf16 one (the Hub's MXFP4 experts are refused; dequantize and save_pretrained first)."""
+    ep = _ep_for(num_nodes * gpus_per_node, 1, 32, 8)
+    cfg = _family_recipe(
+        "gpt-oss-20b-grpo",
+        "gpt-oss-20b",
+        parallel=ParallelConfig(ep=ep),
+        packing=SequencePackingConfig(enabled=True, train_mb_tokens=8192, logprob_mb_tokens=16384,
+                                      microbatch_order="largest_first"),
+        training=TrainingConfig(global_batch_size=512, steps=500),
+        optimizer=rl_optimizer(1e-6),
+        cluster=_cluster(num_nodes, gpus_per_node),
+        max_sample_tokens=16384,
+    )  # fmt: skip
+    return dataclasses.replace(cfg, algorithm="grpo", loss_fn=_grpo_loss(),
+                               grpo=GRPOConfig(num_prompts_per_step=64, num_generations_per_prompt=8,
+                                               router_replay=True))  # fmt: skip
+
+
 def mixtral_8x7b_sft_packed(num_nodes: int = 2, gpus_per_node: int = 8) -> TrainConfig:
     """Mixtral-8x7B SFT with packing: TP4 with sequence parallelism and PP2 inside the model, its 8 experts
     (top-2) over up to 8 expert-parallel ranks of the DP x CP ranks."""
@@ -353,6 +384,7 @@ RECIPES = {
     "qwen3_30b_a3b_sft_packed": qwen3_30b_a3b_sft_packed,
     "qwen3_30b_a3b_grpo": qwen3_30b_a3b_grpo,
     "mixtral_8x7b_sft_packed": mixtral_8x7b_sft_packed,
+    "gpt_oss_20b_grpo": gpt_oss_20b_grpo,
 }
 
 

@@ -8,6 +8,16 @@ packages to install. Every Megatron parameter has one *kind* that says how it is
     qkv          linear_qkv weight/bias from q/k/v_proj             whole query groups per rank (below)
     gate_up      linear_fc1 from gate_proj and up_proj              [gate rows of r; up rows of r]
     columns      linear_proj (o_proj), linear_fc2 (down_proj)       columns
+    rows         attention sinks (one per head)                     rows (whole heads)
+
+GPT-OSS stores each layer's experts stacked, one tensor for all of them, transposed against Megatron's
+``[out, in]`` (``gate_up_proj`` ``[E, hidden, 2 I]`` with gate and up *interleaved* on the last dimension,
+``down_proj`` ``[E, I, hidden]``, and their biases ``[E, 2 I]``, ``[E, hidden]``). Megatron holds one
+``linear_fc1``/``linear_fc2`` per expert, so those HF names carry the expert, ``gate_up_proj[e]``:
+
+    stacked_gate_up  expert e's fc1 weight or bias: de-interleaved, transposed, cut like gate_up
+    stacked_down     expert e's fc2 weight: transposed, cut into columns
+    stacked          expert e's fc2 bias: whole on every rank
 
 Fused QKV layout: the rows of ``linear_qkv`` are grouped by query group: for each of the ``ng`` key/value
 heads, its ``nq/ng`` query heads, then its key head, then its value head (``head_dim`` rows each), i.e. a
@@ -45,6 +55,8 @@ _PER_LAYER = {
     "self_attention.linear_qkv.weight": ("qkv", [f"self_attn.{p}_proj.weight" for p in "qkv"]),
     "self_attention.linear_qkv.bias": ("qkv", [f"self_attn.{p}_proj.bias" for p in "qkv"]),
     "self_attention.linear_proj.weight": ("columns", ["self_attn.o_proj.weight"]),
+    "self_attention.linear_proj.bias": ("replicated", ["self_attn.o_proj.bias"]),  # GPT-OSS
+    "self_attention.core_attention.softmax_offset": ("rows", ["self_attn.sinks"]),  # GPT-OSS: a sink per head
     "mlp.linear_fc1.weight": ("gate_up", ["mlp.gate_proj.weight", "mlp.up_proj.weight"]),
     "mlp.linear_fc2.weight": ("columns", ["mlp.down_proj.weight"]),
 }
@@ -56,11 +68,18 @@ _TOP = {
 }
 
 
-_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.(weight|bias)$")
 _MOE_BLOCK = {"mixtral": "block_sparse_moe"}  # the HF module holding router and experts (others: mlp)
 _EXPERT_PROJ = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down (others: gate_proj, up_proj, down_proj)
+_ROUTER = {"gpt_oss": "mlp.router"}  # the HF router (others: {block}.gate)
+_STACKED = {  # GPT-OSS: Megatron's per-expert parameter -> (kind, the HF tensor holding every expert's)
+    ("linear_fc1", "weight"): ("stacked_gate_up", "gate_up_proj"),
+    ("linear_fc1", "bias"): ("stacked_gate_up", "gate_up_proj_bias"),
+    ("linear_fc2", "weight"): ("stacked_down", "down_proj"),
+    ("linear_fc2", "bias"): ("stacked", "down_proj_bias"),
+}
+_INDEXED = re.compile(r"^(.+)\[(\d+)\]$")  # "...gate_up_proj[3]": expert 3 of a stacked tensor
 _SHARED = {
-    "mlp.router.weight": ("replicated", ["{block}.gate.weight"]),
     "mlp.shared_experts.linear_fc1.weight": ("gate_up", ["mlp.shared_expert.gate_proj.weight",
                                                          "mlp.shared_expert.up_proj.weight"]),
     "mlp.shared_experts.linear_fc2.weight": ("columns", ["mlp.shared_expert.down_proj.weight"]),
@@ -75,11 +94,17 @@ def _moe_names(rest: str, shape: ModelShape, expert_offset: int) -> tuple[str, l
     block = _MOE_BLOCK.get(shape.family, "mlp")
     expert = _EXPERT.match(rest)
     if expert:
+        index, linear, what = expert_offset + int(expert.group(1)), expert.group(2), expert.group(3)
+        if shape.family == "gpt_oss":
+            kind, stacked = _STACKED[(linear, what)]
+            return kind, [f"{block}.experts.{stacked}[{index}]"]
         gate, up, down = _EXPERT_PROJ.get(shape.family, ("gate_proj", "up_proj", "down_proj"))
-        prefix = f"{block}.experts.{expert_offset + int(expert.group(1))}"
-        if expert.group(2) == "linear_fc1":
-            return "gate_up", [f"{prefix}.{gate}.weight", f"{prefix}.{up}.weight"]
-        return "columns", [f"{prefix}.{down}.weight"]
+        prefix = f"{block}.experts.{index}"
+        if linear == "linear_fc1":
+            return "gate_up", [f"{prefix}.{gate}.{what}", f"{prefix}.{up}.{what}"]
+        return "columns", [f"{prefix}.{down}.{what}"]
+    if rest in ("mlp.router.weight", "mlp.router.bias"):
+        return "replicated", [f"{_ROUTER.get(shape.family, block + '.gate')}.{rest.rsplit('.', 1)[1]}"]
     if rest in _SHARED:
         kind, names = _SHARED[rest]
         return kind, [n.format(block=block) for n in names]
@@ -161,8 +186,12 @@ class _Cut:
 
 
 def _read_rank_slice(hf: HFTensors, kind: str, names: list[str], cut: _Cut, shape: ModelShape, padded_vocab: int):
+    if kind.startswith("stacked"):
+        return _read_expert(hf, kind, names[0], cut)
     if kind == "replicated":
         return hf.read(names[0])
+    if kind == "rows":
+        return hf.read(names[0], rows=cut.span(hf.shape(names[0])[0]))
     if kind == "columns":
         return hf.read(names[0], cols=cut.span(hf.shape(names[0])[1]))
     if kind == "gate_up":
@@ -186,6 +215,27 @@ def _read_rank_slice(hf: HFTensors, kind: str, names: list[str], cut: _Cut, shap
     return fused.reshape(-1, *rest)
 
 
+def _stored_name(name: str) -> tuple[str, int | None]:
+    """(the HF tensor's name, the expert it is indexed at or None): ``"x.gate_up_proj[3]"`` -> (x.gate_up_proj, 3)."""
+    indexed = _INDEXED.match(name)
+    return (indexed.group(1), int(indexed.group(2))) if indexed else (name, None)
+
+
+def _read_expert(hf: HFTensors, kind: str, name: str, cut: _Cut) -> torch.Tensor:
+    """This TP rank's share of one expert's parameter from a GPT-OSS stacked tensor (module docstring)."""
+    stored, expert = _stored_name(name)
+    value = hf.read(stored, rows=slice(expert, expert + 1))[0]
+    if kind == "stacked":
+        return value
+    if kind == "stacked_down":  # [I, hidden] -> Megatron's [hidden, I], columns
+        return value.t()[:, cut.span(value.shape[0])].contiguous()
+    gate, up = value[..., 0::2], value[..., 1::2]  # [hidden, I] each (a bias: [I])
+    if gate.dim() == 2:
+        gate, up = gate.t(), up.t()
+    rows = cut.span(gate.shape[0])
+    return torch.cat([gate[rows], up[rows]]).contiguous()
+
+
 def load_hf_weights(
     model, shape: ModelShape, folder: str | Path, *, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1
 ) -> dict:
@@ -205,7 +255,7 @@ def load_hf_weights(
             prefix = next((p for p in layer_number if name.startswith(p)), None)
             offset = ep_rank * (shape.num_experts // ep_size) if shape.is_moe else 0
             kind, names = hf_names(name, layer_number.get(prefix), shape, offset)
-            missing = [n for n in names if n not in hf.weight_map]
+            missing = [n for n in names if _stored_name(n)[0] not in hf.weight_map]
             if missing and name == "output_layer.reward_weight":
                 continue  # a causal LM's folder: the reward head keeps its seeded start
             if missing:
@@ -229,6 +279,7 @@ def merge_to_hf(shards: dict[tuple[int, int], dict], layer_numbers: dict[int, li
     lists the global (0-based) index of each local layer of stage ``pp``."""
     tp = 1 + max(t for _, t in shards)
     out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}  # GPT-OSS: each stacked tensor's experts, stacked at the end
     for pp in sorted({p for p, _ in shards}):
         parts = [shards[(pp, t)] for t in range(tp)]
         for name, first in parts[0].items():
@@ -239,13 +290,32 @@ def merge_to_hf(shards: dict[tuple[int, int], dict], layer_numbers: dict[int, li
             kind, names = hf_names(name, layer, shape)
             if name == "output_layer.weight" and shape.tie_embeddings:
                 continue  # the embedding is written once
-            out.update(_merge(kind, names, [p[name] for p in parts], shape))
+            for hf_name, value in _merge(kind, names, [p[name] for p in parts], shape).items():
+                stored, expert = _stored_name(hf_name)
+                if expert is None:
+                    out[hf_name] = value
+                else:
+                    experts.setdefault(stored, {})[expert] = value
+    for stored, pieces in experts.items():
+        if sorted(pieces) != list(range(shape.num_experts)):
+            raise ValueError(f"{stored}: the state dicts hold experts {sorted(pieces)}, not all {shape.num_experts}; "
+                             "merge the shards of every expert-parallel rank.")  # fmt: skip
+        out[stored] = torch.stack([pieces[e] for e in range(shape.num_experts)])
     return out
 
 
 def _merge(kind: str, names: list[str], pieces: list[torch.Tensor], shape: ModelShape) -> dict:
-    if kind == "replicated":
+    if kind in ("replicated", "stacked"):
         return {names[0]: pieces[0]}
+    if kind == "rows":
+        return {names[0]: torch.cat(pieces)}
+    if kind == "stacked_down":  # [hidden, I] -> GPT-OSS's [I, hidden]
+        return {names[0]: torch.cat(pieces, dim=1).t().contiguous()}
+    if kind == "stacked_gate_up":  # [gate; up] rows of every rank -> [hidden, 2 I] (a bias: [2 I]) interleaved
+        halves = [p.chunk(2) for p in pieces]
+        gate, up = torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])
+        both = torch.stack([gate.t(), up.t()] if gate.dim() == 2 else [gate, up], dim=-1)
+        return {names[0]: both.reshape(*both.shape[:-2], -1).contiguous()}
     if kind == "columns":
         return {names[0]: torch.cat(pieces, dim=1)}
     if kind == "vocab_rows":

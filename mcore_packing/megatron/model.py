@@ -93,9 +93,10 @@ def transformer_config(
     extra = {"moe_token_dispatcher_type": "alltoall"} if variable_seq_lengths else {}
     if shape.gated_mlp:
         extra.update(gated_linear_unit=True, activation_func=torch.nn.functional.silu)
+    extra.update(_attention_and_activation(shape))
     tp = layout.tp
     layout.check_heads(shape.num_attention_heads, shape.kv_heads)
-    layout.check_experts(shape.num_experts)
+    layout.check_experts(shape.num_experts, biased=shape.is_moe and shape.linear_bias)
     layout.check_layers(shape.num_layers)
     extra.update(moe_config(shape, layout))
     if layout.vpp > 1:  # P2P as Megatron-LM runs the interleaved schedule: unbatched, overlapped
@@ -107,7 +108,7 @@ def transformer_config(
         extra["recompute_granularity"] = recompute
     if recompute == "full":
         extra.update(recompute_method="uniform", recompute_num_layers=1)
-    return TransformerConfig(
+    config = TransformerConfig(
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -124,7 +125,8 @@ def transformer_config(
         context_parallel_size=layout.cp,
         sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=not on_gpu if cpu_initialization is None else cpu_initialization,
-        apply_rope_fusion=on_gpu and te_available(),
+        # TE's fused RoPE refuses YaRN's attention factor (Megatron raises on mscale != 1)
+        apply_rope_fusion=on_gpu and te_available() and shape.yarn_factor is None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -134,6 +136,30 @@ def transformer_config(
         variable_seq_lengths=variable_seq_lengths,
         **extra,
     )
+    if shape.yarn_factor is not None:  # read by getattr (GPTModel's YarnRotaryEmbedding, Attention's mscale)
+        config.yarn_rotary_scaling_factor = shape.yarn_factor
+        config.yarn_original_max_position_embeddings = shape.yarn_original_max_position_embeddings
+        config.yarn_beta_fast, config.yarn_beta_slow = shape.yarn_beta_fast, shape.yarn_beta_slow
+        config.yarn_mscale, config.yarn_mscale_all_dim = 1.0, 0.0  # attention factor 0.1 ln(factor) + 1, as HF's
+        config.yarn_correction_range_round_to_int = shape.yarn_truncate
+    return config
+
+
+def _attention_and_activation(shape: ModelShape) -> dict:
+    """GPT-OSS's parts as Megatron's fields: the sliding window ``(W - 1, 0)`` on the listed layers
+    (``window_attn_skip_freq`` as a per-layer list), learned sinks (``softmax_type="learnable"``), and the
+    clamped SwiGLU (quick_gelu gate, ``glu_linear_offset=1`` on the up half, both halves clamped)."""
+    extra = {}
+    if shape.window_size is not None:
+        extra.update(window_size=(shape.window_size - 1, 0),
+                     window_attn_skip_freq=[int(w) for w in shape.window_per_layer()])  # fmt: skip
+    if shape.attention_sinks:
+        extra["softmax_type"] = "learnable"
+    if shape.swiglu_limit is not None:
+        from megatron.core.fusions.fused_bias_geglu import quick_gelu
+
+        extra.update(activation_func=quick_gelu, glu_linear_offset=1.0, activation_func_clamp_value=shape.swiglu_limit)
+    return extra
 
 
 def _interleaved_p2p(layout: ParallelLayout) -> dict:
@@ -318,7 +344,7 @@ def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention
         transformer_layer_spec=get_packed_gpt_block_spec(config, attention_backend, vp_stage=stage),
         vocab_size=padded_vocab_size(shape.vocab_size, tp),
         max_sequence_length=shape.max_sequence_length,
-        position_embedding_type="rope",
+        position_embedding_type="rope" if shape.yarn_factor is None else "yarn",
         rotary_base=shape.rotary_base,
         rope_scaling=shape.rope_scaling_factor is not None,
         rope_scaling_factor=shape.rope_scaling_factor or 8.0,
@@ -337,6 +363,10 @@ def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention
     if shape.is_moe:
         from .router_loss import RouterLoss, RouterLossConfig
 
+        if shape.linear_bias:
+            from ._patches.expert_bias_add import install
+
+            install(model)
         _experts_apart(model)
         RouterLoss.install(model, RouterLossConfig.from_shape(shape), reduce_group=pgs.collection.tp_cp,
                            num_moe_layers=sum(shape.moe_layers()))  # fmt: skip

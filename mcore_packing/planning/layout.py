@@ -137,8 +137,15 @@ class ParallelLayout:
                 f"equal model chunks. Use a pp and vpp whose product divides {num_layers}."
             )
 
-    def check_experts(self, num_experts: int | None) -> None:
-        """Every expert-parallel rank holds whole experts; ep > 1 needs a Mixture-of-Experts model."""
+    def check_experts(self, num_experts: int | None, *, biased: bool = False) -> None:
+        """Every expert-parallel rank holds whole experts; ep > 1 needs a Mixture-of-Experts model; experts
+        with biases (``biased``: GPT-OSS) run at tp=1 (Megatron-Core has expert biases only at expert TP 1,
+        and expert TP is TP here)."""
+        if biased and self.tp > 1:
+            raise ValueError(f"parallel.tp={self.tp}: this model's experts have biases (GPT-OSS), which Megatron-Core "
+                             "supports only at expert tensor parallelism 1, and mcore_packing runs experts at the "
+                             "run's TP. Use parallel.tp=1 and split the model with parallel.ep, parallel.cp and "
+                             "parallel.pp.")  # fmt: skip
         if num_experts is None:
             if self.ep > 1:
                 raise ValueError(f"parallel.ep={self.ep} splits experts, but the model is dense (model.num_experts "

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe")
+FAMILIES = ("gpt", "llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 """``gpt``: Megatron's defaults (biases on every linear); the others are Hugging Face model types."""
 MOE_SCORES = ("softmax", "sigmoid")
 MOE_LOAD_BALANCING = ("seq_aux_loss", "global_aux_loss", "aux_loss", "none")
@@ -74,6 +74,20 @@ class ModelShape:
         rotary_base: RoPE base (HF ``rope_theta``; Llama 3: 500000).
         rope_scaling_factor: Llama-3 RoPE scaling factor (low/high frequency factors 1 and 4, original
             context 8192, as Megatron implements it); None for no scaling.
+        yarn_factor: YaRN RoPE scaling factor (HF ``rope_type: yarn``; GPT-OSS: 32); None for none. The
+            cos/sin carry YaRN's attention factor ``0.1 ln(factor) + 1``, as Hugging Face computes it.
+        yarn_original_max_position_embeddings, yarn_beta_fast, yarn_beta_slow: YaRN's pre-scaling context
+            and the rotation counts bounding its frequency ramp (HF's keys of the same names).
+        yarn_truncate: round the ramp's bounds to whole dimensions (HF ``truncate``; GPT-OSS: false).
+        window_size: sliding-window width W (HF ``sliding_window``): a query sees itself and the W - 1
+            tokens before it, within its own sequence; None for full causal attention.
+        window_layers: the layers (0-based) that use the window (HF ``layer_types`` of
+            ``sliding_attention``); empty with a ``window_size`` means every layer.
+        attention_sinks: a learned sink logit per head in every softmax's denominator (GPT-OSS ``sinks``,
+            Megatron's ``softmax_type="learnable"``).
+        swiglu_limit: GPT-OSS's clamped SwiGLU: gate clamped to <= limit, up to [-limit, limit], output
+            ``gate * sigmoid(1.702 gate) * (up + 1)`` (Megatron's quick_gelu GLU with offset 1 and its
+            clamp); None for the plain SiLU gate.
         linear_bias: biases on the attention output and MLP linears (Megatron's default; HF families: no).
         qkv_bias: biases on the query/key/value projection only (Qwen2).
         qk_norm: RMSNorm of each query and key head (Qwen3).
@@ -111,6 +125,15 @@ class ModelShape:
     norm_epsilon: float = 1e-5
     rotary_base: float = 10000.0
     rope_scaling_factor: float | None = None
+    yarn_factor: float | None = None
+    yarn_original_max_position_embeddings: int = 4096
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_truncate: bool = True
+    window_size: int | None = None
+    window_layers: tuple[int, ...] = ()
+    attention_sinks: bool = False
+    swiglu_limit: float | None = None
     linear_bias: bool = True
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -130,7 +153,8 @@ class ModelShape:
     moe_z_loss_coeff: float = 0.0
 
     def __post_init__(self):
-        object.__setattr__(self, "moe_dense_layers", tuple(self.moe_dense_layers))  # Hydra gives a list
+        for name in ("moe_dense_layers", "window_layers"):  # Hydra gives a list
+            object.__setattr__(self, name, tuple(getattr(self, name)))
         for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "max_sequence_length"):
             require_positive_int(f"model.{name}", getattr(self, name))
         for name in ("num_query_groups", "ffn_hidden_size", "head_dim"):
@@ -151,7 +175,29 @@ class ModelShape:
         require_positive_number("model.rotary_base", self.rotary_base)
         if self.rope_scaling_factor is not None:
             require_positive_number("model.rope_scaling_factor", self.rope_scaling_factor)
+        self._check_attention()
         self._check_moe()
+
+    def _check_attention(self) -> None:
+        """YaRN, the sliding window and the clamped SwiGLU (GPT-OSS's parts)."""
+        if self.yarn_factor is not None:
+            require_positive_number("model.yarn_factor", self.yarn_factor)
+            if self.rope_scaling_factor is not None:
+                raise ValueError("model.yarn_factor and model.rope_scaling_factor are both set: a model has one RoPE "
+                                 "scaling (YaRN or Llama-3's); unset one.")  # fmt: skip
+        require_positive_int("model.yarn_original_max_position_embeddings", self.yarn_original_max_position_embeddings)
+        for name in ("yarn_beta_fast", "yarn_beta_slow"):
+            require_positive_number(f"model.{name}", getattr(self, name))
+        require_positive_int("model.window_size", self.window_size, allow_none=True)
+        bad = [i for i in self.window_layers if not (isinstance(i, int) and 0 <= i < self.num_layers)]
+        if bad:
+            raise ValueError(f"model.window_layers holds {bad}; layers are 0 to {self.num_layers - 1}.")
+        if self.window_layers and self.window_size is None:
+            raise ValueError("model.window_layers is set but model.window_size is not: set the window's width.")
+        if self.swiglu_limit is not None:
+            require_positive_number("model.swiglu_limit", self.swiglu_limit)
+            if not self.gated_mlp:
+                raise ValueError("model.swiglu_limit clamps a gated MLP: set model.gated_mlp=true.")
 
     def _check_moe(self) -> None:
         require_positive_int("model.num_experts", self.num_experts, allow_none=True)
@@ -183,9 +229,9 @@ class ModelShape:
                              "model.moe_router_score=sigmoid, or turn the bias off.")  # fmt: skip
         if self.moe_shared_expert_gate and self.moe_shared_expert_size is None:
             raise ValueError("model.moe_shared_expert_gate needs a shared expert: set model.moe_shared_expert_size.")
-        if not self.gated_mlp or self.linear_bias:
-            raise ValueError("Mixture-of-Experts shapes use gated (SwiGLU) experts without biases, as Qwen3-MoE, "
-                             "Mixtral and Qwen2-MoE do: set model.gated_mlp=true model.linear_bias=false.")  # fmt: skip
+        if not self.gated_mlp:
+            raise ValueError("Mixture-of-Experts shapes use gated (SwiGLU) experts, as Qwen3-MoE, Mixtral, Qwen2-MoE "
+                             "and GPT-OSS do: set model.gated_mlp=true.")  # fmt: skip
 
     @property
     def is_moe(self) -> bool:
@@ -194,6 +240,12 @@ class ModelShape:
     def moe_layers(self) -> list[bool]:
         """Per layer: True where the MLP is the experts (every layer but `moe_dense_layers` in a MoE)."""
         return [self.is_moe and i not in self.moe_dense_layers for i in range(self.num_layers)]
+
+    def window_per_layer(self) -> list[bool]:
+        """Per layer: True where attention is the sliding window (`window_layers`; every layer when empty)."""
+        if self.window_size is None:
+            return [False] * self.num_layers
+        return [not self.window_layers or i in self.window_layers for i in range(self.num_layers)]
 
     @property
     def expert_size(self) -> int:
@@ -222,7 +274,8 @@ class ModelShape:
         if self.linear_bias:
             attention += h
         norm = h if self.normalization == "RMSNorm" else 2 * h
-        layer = attention + 2 * norm + (2 * hd if self.qk_norm else 0)
+        sinks = self.num_attention_heads if self.attention_sinks else 0
+        layer = attention + 2 * norm + (2 * hd if self.qk_norm else 0) + sinks
         mlps = sum(self._mlp_parameters(moe, active) for moe in self.moe_layers())
         embeddings = self.vocab_size * h * (1 if self.tie_embeddings else 2)
         return self.num_layers * layer + mlps + embeddings + norm
@@ -234,7 +287,8 @@ class ModelShape:
             mlp = (3 if self.gated_mlp else 2) * h * f
             return mlp + (((2 if self.gated_mlp else 1) * f) + h if self.linear_bias else 0)
         experts = self.moe_router_topk if active else self.num_experts
-        mlp = experts * 3 * h * self.expert_size + h * self.num_experts  # experts and the router
+        expert = 3 * h * self.expert_size + (2 * self.expert_size + h if self.linear_bias else 0)
+        mlp = experts * expert + (h + 1 if self.linear_bias else h) * self.num_experts  # experts and the router
         if self.moe_shared_expert_size:
             mlp += 3 * h * self.moe_shared_expert_size + (h if self.moe_shared_expert_gate else 0)
         return mlp

@@ -13,6 +13,8 @@ megatron-core versions it applies to and pinned by a test.
   'step', and one step tensor shared by every parameter. `TORCH_ADAM_LOAD.versions`; its call sites are
   pinned by source hash (tests/test_patches.py).
 
+- `expert_bias_add`: an expert MLP with biases (GPT-OSS) adds its fc2 bias in place to a view autograd
+  forbids modifying; `install(model)` copies that view first. Pinned by source hash (tests/test_patches.py).
 - `rope_cp_group`: Megatron applies THD RoPE with the run's CP group; under dynamic CP the micro-batch's
   sub-group must place the positions. `rope_cp_group(model_chunk, group)` swaps it in for one forward.
   Pinned by source hash (tests/test_patches.py).
@@ -32,7 +34,7 @@ from dataclasses import dataclass, field
 
 from ...compat import megatron_core_version
 
-__all__ = ["MOE_WITHOUT_TE", "PATCHES", "ROPE_CP_GROUP", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
+__all__ = ["EXPERT_BIAS_ADD", "MOE_WITHOUT_TE", "PATCHES", "ROPE_CP_GROUP", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -102,7 +104,8 @@ MOE_WITHOUT_TE = Patch(
     },
 )  # fmt: skip
 
-from .rope_cp_group import ROPE_CP_GROUP  # noqa: E402  (it imports Patch from here)
+from .expert_bias_add import EXPERT_BIAS_ADD  # noqa: E402  (it imports Patch from here)
+from .rope_cp_group import ROPE_CP_GROUP  # noqa: E402
 
-PATCHES = (TORCH_ADAM_LOAD, MOE_WITHOUT_TE, ROPE_CP_GROUP)
+PATCHES = (TORCH_ADAM_LOAD, MOE_WITHOUT_TE, ROPE_CP_GROUP, EXPERT_BIAS_ADD)
 """The patches with pinned call sites (the CPU adapter pins its call sites through the tests that run it)."""

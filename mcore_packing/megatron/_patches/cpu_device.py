@@ -2,7 +2,7 @@
 
 Megatron hard-codes CUDA in a few places on the training path (megatron-core 0.16.1): tensor factories
 with ``device="cuda"`` or ``torch.cuda.current_device()`` in the pipeline schedules and p2p
-communication, ``torch.cuda.synchronize()``, RoPE moving ``inv_freq`` to the current CUDA device,
+communication, ``torch.cuda.synchronize()``, RoPE (and YaRN's) moving ``inv_freq`` to the current CUDA device,
 buffers in tensor-parallel layers, mappings, ``utils.GlobalMemoryBuffer`` and the DDP grad buffers, the
 optimizers' scalars (found-inf flag, loss scale, clipping), dist_checkpointing's save finalization, and
 in Mixture-of-Experts layers the router moving its weight to ``torch.cuda.current_device()``, the
@@ -50,6 +50,7 @@ PATCHED_MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",
     "megatron.core.models.common.embeddings.rope_utils",
     "megatron.core.tensor_parallel.layers",
     "megatron.core.tensor_parallel.mappings",
