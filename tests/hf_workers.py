@@ -17,7 +17,7 @@ _SHAPE_PATCHES = {
 }
 
 
-def _build(folder, tp, pp, patch=None, ep=1, sp=False, cp=1):
+def _build(folder, tp, pp, patch=None, ep=1, sp=False, cp=1, etp=None):
     import dataclasses
 
     import torch.distributed as dist
@@ -27,11 +27,11 @@ def _build(folder, tp, pp, patch=None, ep=1, sp=False, cp=1):
     from mcore_packing.planning import ParallelLayout
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
-    init_megatron(tp=tp, pp=pp, ep=ep, cp=cp)
+    init_megatron(tp=tp, pp=pp, ep=ep, cp=cp, etp=etp)
     shape = shape_from_hf_config(read_hf_config(folder))
     if patch in _SHAPE_PATCHES:
         shape = dataclasses.replace(shape, **_SHAPE_PATCHES[patch](shape))
-    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp)
+    layout = ParallelLayout.for_world(dist.get_world_size(), tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp, etp=etp)
     with cpu_device_adapter():
         model, _ = build_gpt_model(shape, layout, attention_backend="local")
     if patch == "swap_gate_up":  # negative control: [up; gate] instead of [gate; up]
@@ -44,7 +44,9 @@ def _build(folder, tp, pp, patch=None, ep=1, sp=False, cp=1):
 
     start = time.perf_counter()
     stats = hf_weights.load_hf_weights(model, shape, folder, tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-                                       ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep)  # fmt: skip
+                                       ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ep,
+                                       etp_rank=ps.get_expert_tensor_parallel_rank(),
+                                       etp_size=layout.expert_tp)  # fmt: skip
     stats["seconds"] = time.perf_counter() - start
     stats["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return model, shape, stats
@@ -76,7 +78,7 @@ def variants_worker(rank, world_size, folder, sequences, patches):
     return out
 
 
-def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False, cp=1):
+def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False, cp=1, etp=None):
     """Full-vocabulary logits per sequence (one forward each, and one packed THD forward; PP=1, CP=1), and
     next-token log-probs of every sequence through Megatron's schedule from packed micro-batches."""
     import torch.distributed as dist
@@ -86,7 +88,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import PaddingRule, SequenceSample, build_packed_batch
 
-    model, shape, stats = _build(folder, tp, pp, patch, ep, sp, cp)
+    model, shape, stats = _build(folder, tp, pp, patch, ep, sp, cp, etp)
     module = model.module
     out = {"stats": stats}
 
@@ -111,7 +113,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
             starts = batch.cu_seqlens_padded.tolist()
             out["packed"] = [packed[a : a + len(s)] for a, s in zip(starts, sequences, strict=False)]
         lengths = [len(s) for s in sequences]
-        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp)
+        layout = ParallelLayout.for_world(world_size, tp=tp, pp=pp, ep=ep, cp=cp, sequence_parallel=sp, etp=etp)
         config = StepPlanConfig(train_mb_tokens=64, layout=layout)
         plan = plan_step(lengths, config, forward_only=True)
         samples = [SequenceSample(s) for s in sequences]
@@ -121,7 +123,7 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
     return out
 
 
-def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequences=None):
+def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequences=None, etp=None, sp=False):
     """Import, optionally take one packed SFT step (AdamW), and return this rank's state dict and layout
     (and, when a step ran, the logits of ``sequences`` after it, PP=1 only)."""
     from megatron.core import parallel_state as ps
@@ -130,7 +132,7 @@ def round_trip_worker(rank, world_size, folder, tp=1, pp=1, sft_step=False, sequ
     from mcore_packing.planning import ParallelLayout, StepPlanConfig, plan_step
     from mcore_packing.thd import SequenceSample
 
-    model, shape, _ = _build(folder, tp, pp)
+    model, shape, _ = _build(folder, tp, pp, etp=etp, sp=sp)
     out = {}
     if sft_step:
         samples = [SequenceSample(s) for s in sequences]

@@ -11,13 +11,13 @@ import torch
 VOCAB = 128
 
 
-def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, ep: int = 1) -> None:
+def init_megatron(tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1234, ep: int = 1, etp: int | None = None) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
-        expert_model_parallel_size=ep,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
     )  # fmt: skip
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True)
 

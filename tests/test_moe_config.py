@@ -160,7 +160,10 @@ def test_gpt_oss_is_what_its_config_says_and_runs_at_tp1():
         True, False, True, False]  # fmt: skip
     with pytest.raises(ValueError, match=r"parallel\.tp=2: this model's experts have biases"):
         ParallelLayout(tp=2, sequence_parallel=True).check_experts(4, biased=True)
-    ParallelLayout(ep=2, cp=2).check_experts(4, biased=True)  # control: TP1 with EP and CP
+    ParallelLayout(ep=2, cp=2).check_experts(4, biased=True)  # controls: TP1 with EP and CP; TP2 with whole experts
+    ParallelLayout(tp=2, sequence_parallel=True, etp=1).check_experts(4, biased=True)
+    with pytest.raises(ValueError, match=r"etp=3: expert tensor parallelism is 1"):
+        ParallelLayout(tp=2, etp=3)
     with pytest.raises(ValueError, match=r"layer_types=\['chunked_attention'"):
         shape_from_hf_config({**config.to_dict(), "layer_types": ["chunked_attention"] * 4})
     qwen = shape_from_hf_config(_hf_model("qwen3_moe")[0].to_dict())

@@ -186,6 +186,7 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1  # expert parallelism (Mixture-of-Experts): experts split over ep of the DP x CP ranks
+    etp: int | None = None  # expert tensor parallelism: null is tp; 1 keeps experts whole (GPT-OSS at tp > 1)
     vpp: int = 1  # virtual pipeline: model chunks per stage (Megatron's interleaved 1F1B); needs pp > 1
     # Megatron's key (null: pp): micro-batches per chunk in turn; each rank's count is planned a multiple of it
     microbatch_group_size_per_vp_stage: int | None = None
@@ -215,13 +216,13 @@ class ParallelConfig:
                 self.tp * self.pp * self.cp if world_size is None else world_size, tp=self.tp, pp=self.pp,
                 cp=self.cp, sequence_parallel=self.sequence_parallel, ep=1 if world_size is None else self.ep,
                 vpp=self.vpp, microbatch_group_size_per_vp_stage=self.microbatch_group_size_per_vp_stage,
-                keys="parallel.tp x parallel.pp x parallel.cp",
+                etp=self.etp, keys="parallel.tp x parallel.pp x parallel.cp",
             )  # fmt: skip
         except ValueError as exc:
             message = str(exc).replace("sequence_parallel=true needs tp", "parallel.sequence_parallel=true needs "
                                        "parallel.tp")  # fmt: skip
             message = message.replace(f"ep={self.ep} must", f"parallel.ep={self.ep} must")
-            for key in ("vpp", "microbatch_group_size_per_vp_stage"):
+            for key in ("vpp", "microbatch_group_size_per_vp_stage", "etp"):
                 message = message.replace(f"{key}=", f"parallel.{key}=", 1)
             raise ConfigError(message) from None
 

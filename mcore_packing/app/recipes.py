@@ -312,9 +312,10 @@ def qwen3_30b_a3b_grpo(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfi
 
 def gpt_oss_20b_grpo(num_nodes: int = 1, gpus_per_node: int = 8) -> TrainConfig:
     """gpt-oss-20b GRPO policy step with router replay (``grpo.router_replay``: the rollouts carry the
-    engine's ``routed_experts``): TP1 (Megatron-Core has expert biases only at expert TP 1), its 32 experts
-    (top-4) over up to 8 expert-parallel ranks, 64 prompts x 8 responses. The checkpoint must be the
-    bf16 one (the Hub's MXFP4 experts are refused; dequantize and save_pretrained first)."""
+    engine's ``routed_experts``): TP1 (at tp > 1 set ``parallel.etp=1``: Megatron-Core has expert biases
+    only at expert TP 1), its 32 experts (top-4) over up to 8 expert-parallel ranks, 64 prompts x 8
+    responses. The checkpoint must be a bf16 one (the Hub's MXFP4 experts are refused; dequantize and
+    save_pretrained first)."""
     ep = _ep_for(num_nodes * gpus_per_node, 1, 32, 8)
     cfg = _family_recipe(
         "gpt-oss-20b-grpo",

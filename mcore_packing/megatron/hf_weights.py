@@ -237,10 +237,12 @@ def _read_expert(hf: HFTensors, kind: str, name: str, cut: _Cut) -> torch.Tensor
 
 
 def load_hf_weights(
-    model, shape: ModelShape, folder: str | Path, *, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1
+    model, shape: ModelShape, folder: str | Path, *, tp_rank: int, tp_size: int, ep_rank: int = 0, ep_size: int = 1,
+    etp_rank: int | None = None, etp_size: int | None = None,
 ) -> dict:
     """Copy the Hugging Face weights in ``folder`` into this rank's Megatron model chunk (unwrapped or
-    DDP-wrapped); with expert parallelism only this rank's experts are read. Every parameter must be found
+    DDP-wrapped); with expert parallelism only this rank's experts are read, cut over ``etp_size`` expert
+    tensor-parallel ranks (None: the TP ranks). Every parameter must be found
     with the expected shape, else a ValueError names the tensor. Returns ``{"tensors_read": n,
     "bytes_read": b}``."""
     from ..planning.model_shape import padded_vocab_size
@@ -249,6 +251,7 @@ def load_hf_weights(
     hf = HFTensors(folder)
     layer_number = {f"decoder.layers.{i}.": layer.layer_number - 1 for i, layer in enumerate(module.decoder.layers)}
     cut, padded = _Cut(tp_rank, tp_size), padded_vocab_size(shape.vocab_size, tp_size)
+    expert_cut = cut if etp_size is None else _Cut(etp_rank or 0, etp_size)
     read = nbytes = 0
     with torch.no_grad():
         for name, param in module.named_parameters():
@@ -263,7 +266,7 @@ def load_hf_weights(
                     f"{folder}: tensor {missing[0]!r} is missing (needed for Megatron's {name}). The checkpoint "
                     "does not match its config.json; re-download it or point model.hf_path at the right folder."
                 )
-            value = _read_rank_slice(hf, kind, names, cut, shape, padded)
+            value = _read_rank_slice(hf, kind, names, expert_cut if _is_expert(name) else cut, shape, padded)
             if tuple(value.shape) != tuple(param.shape):
                 raise ValueError(
                     f"{folder}: {', '.join(names)} gives shape {tuple(value.shape)} for Megatron's {name} "
@@ -274,9 +277,15 @@ def load_hf_weights(
     return {"tensors_read": read, "bytes_read": nbytes}
 
 
-def merge_to_hf(shards: dict[tuple[int, int], dict], layer_numbers: dict[int, list[int]], shape: ModelShape) -> dict:
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts.local_experts." in name
+
+
+def merge_to_hf(shards: dict[tuple[int, int], dict], layer_numbers: dict[int, list[int]], shape: ModelShape, *,
+                expert_tp: int | None = None) -> dict:  # fmt: skip
     """Hugging Face tensors from Megatron state dicts keyed by ``(pp_rank, tp_rank)``; ``layer_numbers[pp]``
-    lists the global (0-based) index of each local layer of stage ``pp``."""
+    lists the global (0-based) index of each local layer of stage ``pp``; ``expert_tp`` 1: every TP rank
+    holds the routed experts whole (None: cut over the TP ranks)."""
     tp = 1 + max(t for _, t in shards)
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}  # GPT-OSS: each stacked tensor's experts, stacked at the end
@@ -290,7 +299,8 @@ def merge_to_hf(shards: dict[tuple[int, int], dict], layer_numbers: dict[int, li
             kind, names = hf_names(name, layer, shape)
             if name == "output_layer.weight" and shape.tie_embeddings:
                 continue  # the embedding is written once
-            for hf_name, value in _merge(kind, names, [p[name] for p in parts], shape).items():
+            pieces = [p[name] for p in parts][: 1 if expert_tp == 1 and _is_expert(name) else None]
+            for hf_name, value in _merge(kind, names, pieces, shape).items():
                 stored, expert = _stored_name(hf_name)
                 if expert is None:
                     out[hf_name] = value

@@ -56,6 +56,7 @@ def initialize_parallel(layout: ParallelLayout = SINGLE_RANK, *, seed: int = 123
         pipeline_model_parallel_size=layout.pp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
         virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
     )
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=not torch.cuda.is_available())
@@ -179,7 +180,7 @@ def _interleaved_p2p(layout: ParallelLayout) -> dict:
 def moe_config(shape: ModelShape, layout: ParallelLayout) -> dict:
     """The ``TransformerConfig`` fields of a Mixture-of-Experts shape ({} for a dense one): dropless top-k
     routing in fp32 (no capacity factor: every token reaches its k experts whatever the batch split), the
-    all-to-all dispatcher, experts split over ``layout.ep`` ranks (expert TP = TP), per-layer MoE/dense
+    all-to-all dispatcher, experts split over ``layout.ep`` ranks (expert TP: ``layout.expert_tp``), per-layer MoE/dense
     pattern. A softmax router with top-k renormalization is Megatron's top-k-then-softmax; without it,
     softmax-then-top-k (``moe_router_pre_softmax``). Megatron's own balance and z-losses stay off: the
     shape's are `router_loss.RouterLoss`, exact under packing (`build_gpt_model` installs it)."""
@@ -202,6 +203,7 @@ def moe_config(shape: ModelShape, layout: ParallelLayout) -> dict:
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.expert_tp,
     )
 
 
@@ -324,7 +326,8 @@ def _seeded(model, shape: ModelShape, layout: ParallelLayout, pgs, seed: int) ->
 
     offset = group_rank(pgs.ep) * (shape.num_experts // layout.ep) if shape.is_moe else 0
     seeded_init_(model, seed=seed, num_layers=shape.num_layers, vocab_size=shape.vocab_size,
-                 tp_rank=group_rank(pgs.tp), tp_size=layout.tp, expert_offset=offset)  # fmt: skip
+                 tp_rank=group_rank(pgs.tp), tp_size=layout.tp, expert_offset=offset,
+                 etp_rank=group_rank(pgs.expert_tp), etp_size=layout.expert_tp)  # fmt: skip
 
 
 def _gpt_chunk(shape: ModelShape, layout: ParallelLayout, config, pgs, attention_backend: str, vp_stage: int, *,

@@ -111,7 +111,8 @@ def build_policy(
     info = {}
     if hf_path is not None:
         ranks = dict(tp_rank=group_rank(process_groups.tp), tp_size=layout.tp, ep_rank=group_rank(process_groups.ep),
-                     ep_size=layout.ep)  # fmt: skip
+                     ep_size=layout.ep, etp_rank=group_rank(process_groups.expert_tp),
+                     etp_size=layout.expert_tp)  # fmt: skip
         info["tensors_read"] = sum(load_hf_weights(chunk, shape, hf_path, **ranks)["tensors_read"] for chunk in chunks)
     if logprob_chunk_size is not None:
         chunk_logprobs(model, logprob_chunk_size)

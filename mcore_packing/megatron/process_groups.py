@@ -130,6 +130,11 @@ class ProcessGroups:
         return self.collection.ep
 
     @property
+    def expert_tp(self):
+        """The expert tensor-parallel group (the TP group unless ``parallel.etp=1``)."""
+        return getattr(self.collection, "expt_tp", None)
+
+    @property
     def dp_rank(self) -> int:
         return group_rank(self.dp)
 

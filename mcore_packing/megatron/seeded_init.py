@@ -87,10 +87,11 @@ def _shard(full: torch.Tensor, param, tp_rank: int, tp_size: int) -> torch.Tenso
 
 
 def seeded_init_(model, *, seed: int, num_layers: int, vocab_size: int, tp_rank: int = 0, tp_size: int = 1,
-                 expert_offset: int = 0) -> int:  # fmt: skip
+                 expert_offset: int = 0, etp_rank: int | None = None, etp_size: int | None = None) -> int:  # fmt: skip
     """Overwrite every parameter of a model chunk (unwrapped or DDP-wrapped) with its seeded value (see the
     module docstring); returns the number of parameters written. ``expert_offset``: the global index of
-    this rank's first routed expert (expert parallelism)."""
+    this rank's first routed expert (expert parallelism); ``etp_rank``/``etp_size``: the routed experts'
+    tensor-parallel place (None: the TP one)."""
     module = getattr(model, "module", model)
     config = module.config
     std = float(getattr(config, "init_method_std", 0.02))
@@ -100,9 +101,12 @@ def seeded_init_(model, *, seed: int, num_layers: int, vocab_size: int, tp_rank:
     with torch.no_grad():
         for name, param in module.named_parameters():
             key = global_parameter_name(name, global_layers, expert_offset)
+            rank, size = (tp_rank, tp_size)
+            if _EXPERT.search(name) and etp_size is not None:
+                rank, size = etp_rank, etp_size
             shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
-                shape[param.partition_dim] *= tp_size
+                shape[param.partition_dim] *= size
             if name in _VOCAB:  # the real vocabulary drawn, the TP padding rows zero
                 full = torch.zeros(shape)
                 full[:vocab_size] = _draw(key, (vocab_size, *shape[1:]), seed=seed, std=std, num_layers=num_layers,
@@ -110,6 +114,6 @@ def seeded_init_(model, *, seed: int, num_layers: int, vocab_size: int, tp_rank:
             else:
                 full = _draw(key, tuple(shape), seed=seed, std=std, num_layers=num_layers,
                              zero_centered_gamma=zero_gamma)  # fmt: skip
-            param.copy_(_shard(full, param, tp_rank, tp_size).to(param.dtype))
+            param.copy_(_shard(full, param, rank, size).to(param.dtype))
             written += 1
     return written

@@ -31,6 +31,9 @@ class ParallelLayout:
         ep: expert-parallel size (Mixture-of-Experts): the experts of each layer are split over ``ep`` of
             the DP x CP ranks of one TP/PP position (Megatron's expert grid: expert TP = tp, so
             ``dp * cp = ep * expert-data-parallel``); attention and dense layers are unchanged.
+        etp: expert tensor-parallel size (Megatron's ``expert_tensor_parallel_size``): None is tp (each
+            expert cut over the TP ranks like a dense MLP); 1 keeps every expert whole, its TP ranks then
+            joining the expert-data-parallel ranks (experts with biases, GPT-OSS, need it at tp > 1).
         vpp: virtual pipeline size: model chunks per pipeline stage (Megatron's interleaved 1F1B
             schedule, ``virtual_pipeline_model_parallel_size``); 1 is the plain schedule. Needs pp > 1.
         microbatch_group_size_per_vp_stage: under vpp > 1, how many micro-batches run through one chunk
@@ -44,12 +47,15 @@ class ParallelLayout:
     dp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
+    etp: int | None = None
     vpp: int = 1
     microbatch_group_size_per_vp_stage: int | None = None
 
     def __post_init__(self):
         for name in ("tp", "pp", "cp", "dp", "ep", "vpp"):
             require_positive_int(name, getattr(self, name))
+        if self.etp not in (None, 1, self.tp):
+            raise ValueError(f"etp={self.etp}: expert tensor parallelism is 1 (whole experts) or tp={self.tp} (unset).")
         require_positive_int("microbatch_group_size_per_vp_stage", self.microbatch_group_size_per_vp_stage,
                              allow_none=True)  # fmt: skip
         if self.vpp > 1 and self.pp == 1:
@@ -73,7 +79,7 @@ class ParallelLayout:
     @classmethod
     def for_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, cp: int = 1, sequence_parallel: bool = False,
                   ep: int = 1, vpp: int = 1, microbatch_group_size_per_vp_stage: int | None = None,
-                  keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
+                  etp: int | None = None, keys: str = "tp x pp x cp") -> ParallelLayout:  # fmt: skip
         """The layout of ``world_size`` ranks (DP is what remains); an error names ``keys`` (the caller's
         spelling of tp, pp and cp) when the world does not factor."""
         model_parallel = tp * pp * cp
@@ -83,7 +89,12 @@ class ParallelLayout:
                 f"multiple of {model_parallel} ranks, or change the sizes."
             )
         return cls(tp=tp, pp=pp, cp=cp, dp=world_size // model_parallel, sequence_parallel=sequence_parallel, ep=ep,
-                   vpp=vpp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)  # fmt: skip
+                   etp=etp, vpp=vpp, microbatch_group_size_per_vp_stage=microbatch_group_size_per_vp_stage)  # fmt: skip
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size: ``etp``, or tp when unset."""
+        return self.tp if self.etp is None else self.etp
 
     @property
     def microbatch_group(self) -> int:
@@ -139,13 +150,11 @@ class ParallelLayout:
 
     def check_experts(self, num_experts: int | None, *, biased: bool = False) -> None:
         """Every expert-parallel rank holds whole experts; ep > 1 needs a Mixture-of-Experts model; experts
-        with biases (``biased``: GPT-OSS) run at tp=1 (Megatron-Core has expert biases only at expert TP 1,
-        and expert TP is TP here)."""
-        if biased and self.tp > 1:
+        with biases (``biased``: GPT-OSS) need expert TP 1 (Megatron-Core has expert biases only there)."""
+        if biased and self.expert_tp > 1:
             raise ValueError(f"parallel.tp={self.tp}: this model's experts have biases (GPT-OSS), which Megatron-Core "
-                             "supports only at expert tensor parallelism 1, and mcore_packing runs experts at the "
-                             "run's TP. Use parallel.tp=1 and split the model with parallel.ep, parallel.cp and "
-                             "parallel.pp.")  # fmt: skip
+                             "supports only at expert tensor parallelism 1: set parallel.etp=1 (each expert whole on "
+                             "its rank).")  # fmt: skip
         if num_experts is None:
             if self.ep > 1:
                 raise ValueError(f"parallel.ep={self.ep} splits experts, but the model is dense (model.num_experts "
