@@ -78,9 +78,11 @@ def variants_worker(rank, world_size, folder, sequences, patches):
     return out
 
 
-def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False, cp=1, etp=None):
+def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, ep=1, sp=False, cp=1, etp=None,
+                  bias_grads=False):  # fmt: skip
     """Full-vocabulary logits per sequence (one forward each, and one packed THD forward; PP=1, CP=1), and
-    next-token log-probs of every sequence through Megatron's schedule from packed micro-batches."""
+    next-token log-probs of every sequence through Megatron's schedule from packed micro-batches;
+    ``bias_grads``: also `_bias_grads`."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -118,8 +120,31 @@ def logits_worker(rank, world_size, folder, sequences, tp=1, pp=1, patch=None, e
         plan = plan_step(lengths, config, forward_only=True)
         samples = [SequenceSample(s) for s in sequences]
         out["logprobs"] = compute_logprobs(model, samples, plan, ProcessGroups.from_megatron())
+    if bias_grads:
+        out["bias_grads"] = _bias_grads(model, samples, layout)
     if rank != 0:
         return {"stats": stats}
+    return out
+
+
+def _bias_grads(model, samples, layout):
+    """Layer 0's expert fc2 biases' gradients (whole experts: every rank holds them) after one token-mean
+    SFT step, with the library's repair of their ``sequence_parallel`` mark, and (``"unrepaired"``) with
+    the mark Megatron sets put back (a negative control: the TP ranks' sum counted twice)."""
+    from mcore_packing.megatron import ProcessGroups, cpu_device_adapter, forward_backward
+    from mcore_packing.planning import StepPlanConfig, plan_step
+
+    plan = plan_step([len(s.tokens) for s in samples], StepPlanConfig(train_mb_tokens=64, layout=layout))
+    biases = {n: p for n, p in model.module.named_parameters()
+              if n.startswith("decoder.layers.0.mlp.experts.") and n.endswith("linear_fc2.bias")}  # fmt: skip
+    out = {}
+    for case in ("repaired", "unrepaired"):
+        for p in biases.values():
+            p.sequence_parallel = case == "unrepaired"
+        model.zero_grad_buffer()
+        with cpu_device_adapter():
+            forward_backward(model, samples, plan, ProcessGroups.from_megatron())
+        out[case] = {n: p.main_grad.detach().clone() for n, p in biases.items()}
     return out
 
 

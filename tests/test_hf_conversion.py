@@ -66,12 +66,27 @@ def test_each_family_imports_with_hf_logits(checkpoints, family):
 @pytest.mark.multirank
 def test_gpt_oss_at_tp2_with_whole_experts(checkpoints):
     """TP2 with sequence parallelism: attention (and its sinks) cut over the TP ranks, every expert whole on
-    both (``etp=1``: Megatron has expert biases only there), each TP rank's tokens to its experts."""
+    both (``etp=1``: Megatron has expert biases only there), each TP rank's tokens to its experts. The
+    experts' fc2 bias gradients of one SFT step equal transformers' (Megatron alone sums them over TP after
+    DDP summed them over the same ranks: twice the gradient, the negative control)."""
+    import transformers
+
     folders, references = checkpoints
     results = run_distributed("tests.hf_workers:logits_worker", 2, folder=str(folders["gpt_oss"]), sequences=SEQUENCES,
-                              tp=2, sp=True, etp=1)  # fmt: skip
+                              tp=2, sp=True, etp=1, bias_grads=True)  # fmt: skip
     errors = check(results[0], references["gpt_oss"])
     assert all(e <= RTOL for e in errors.values()), errors
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folders["gpt_oss"], dtype=torch.float32)
+    targets = sum(len(s) - 1 for s in SEQUENCES)
+    loss = sum(torch.nn.functional.cross_entropy(hf(torch.tensor([s])).logits[0, :-1], torch.tensor(s[1:]),
+                                                 reduction="sum") for s in SEQUENCES if len(s) > 1) / targets
+    loss.backward()
+    want = hf.model.layers[0].mlp.experts.down_proj_bias.grad
+    for case, bound in (("repaired", 1e-5), ("unrepaired", None)):
+        got = results[0]["bias_grads"][case]
+        error = max(rel_err(got[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.bias"], want[e])
+                    for e in range(len(want)))  # fmt: skip
+        assert (error <= bound) if bound else (error > 0.5), (case, error)
 
 
 @pytest.mark.multirank
