@@ -1,7 +1,9 @@
 """Hugging Face import on tiny random models of every family: logit error per layout, import time, bytes
 read and peak memory per rank (Mixture-of-Experts families also at expert parallelism; their TP runs use
-sequence parallelism, which Megatron's MoE layer needs under TP). The models come from tests/hf_models.py
-(random weights, every parameter perturbed); the comparison is the one tests/test_hf_conversion.py asserts.
+sequence parallelism, which Megatron's MoE layer needs under TP; GPT-OSS's TP runs keep every expert whole,
+``etp=1``, and it also runs at CP2 x EP2). The models come from tests/hf_models.py (random weights, every
+parameter perturbed); the comparison is the one tests/test_hf_conversion.py asserts. Last, GPT-OSS's
+negative controls: the model without each of its parts (window, sinks, YaRN, clamp, interleaved gate/up).
 
     python benchmarks/hf_import_report.py          # about a minute on 2 CPU cores
 """
@@ -20,12 +22,13 @@ from _report import run_config, write_results  # noqa: E402
 
 from tests.distributed_harness import run_distributed  # noqa: E402
 from tests.hf_models import FAMILIES, hf_logits, make_tiny  # noqa: E402
-from tests.test_hf_conversion import SEQUENCES, check  # noqa: E402
+from tests.test_hf_conversion import SEQUENCES, check, rel_err  # noqa: E402
 
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
 """(TP, PP, EP) of the dense families."""
 MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 1, 2)]
-MOE = {"qwen3_moe", "mixtral", "qwen2_moe"}
+MOE = {"qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"}
+NEGATIVES = ["no_window", "no_sinks", "no_yarn", "no_clamp", "gate_up_halves"]
 
 
 def main() -> int:
@@ -37,22 +40,31 @@ def main() -> int:
         for family in sorted(FAMILIES):
             folder = make_tiny(family, Path(tmp) / family)
             reference = hf_logits(folder, SEQUENCES)
-            for tp, pp, ep in MOE_LAYOUTS if family in MOE else LAYOUTS:
+            layouts = [(*x, 1) for x in (MOE_LAYOUTS if family in MOE else LAYOUTS)]
+            for tp, pp, ep, cp in layouts + ([(1, 1, 2, 2)] if family == "gpt_oss" else []):
                 sp = family in MOE and tp > 1
-                results = run_distributed("tests.hf_workers:logits_worker", tp * pp * ep, folder=str(folder),
-                                          sequences=SEQUENCES, tp=tp, pp=pp, ep=ep, sp=sp)  # fmt: skip
+                etp = 1 if family == "gpt_oss" else None
+                results = run_distributed("tests.hf_workers:logits_worker", tp * pp * max(ep, cp), folder=str(folder),
+                                          sequences=SEQUENCES, tp=tp, pp=pp, ep=ep, sp=sp, cp=cp, etp=etp)  # fmt: skip
                 errors = check(results[0], reference)
                 ranks = [r["stats"] for r in results]
-                row = {"family": family, "tp": tp, "pp": pp, "ep": ep, "sp": sp, **errors, "ranks": ranks}
+                row = {"family": family, "tp": tp, "pp": pp, "ep": ep, "cp": cp, "sp": sp, **errors, "ranks": ranks}
                 rows.append(row)
                 print(
-                    f"{family:<11} TP{tp} PP{pp} EP{ep}  logits alone {errors.get('alone', float('nan')):.1e}  packed "
-                    f"{errors.get('packed', float('nan')):.1e}  logprobs {errors['logprobs']:.1e}  import "
+                    f"{family:<11} TP{tp} PP{pp} EP{ep} CP{cp}  logits alone {errors.get('alone', float('nan')):.1e}  "
+                    f"packed {errors.get('packed', float('nan')):.1e}  logprobs {errors['logprobs']:.1e}  import "
                     f"{max(r['seconds'] for r in ranks) * 1e3:.0f} ms  read/rank "
                     f"{max(r['bytes_read'] for r in ranks) / 1e3:.0f} kB  peak RSS/rank "
                     f"{max(r['peak_rss_mib'] for r in ranks):.0f} MiB",
                     flush=True,
                 )
+            if family == "gpt_oss":
+                (result,) = run_distributed("tests.hf_workers:variants_worker", 1, folder=str(folder),
+                                            sequences=SEQUENCES, patches=NEGATIVES)  # fmt: skip
+                for patch in NEGATIVES:
+                    error = max(rel_err(a, b) for a, b in zip(result[patch], reference, strict=True))
+                    rows.append({"family": family, "negative_control": patch, "alone": error})
+                    print(f"{family:<11} negative control {patch:<15} logits alone {error:.1e}", flush=True)
     write_results(str(ROOT / "benchmarks/results/hf_import.json"), config, rows)
     return 0
 

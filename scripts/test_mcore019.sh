@@ -6,7 +6,11 @@
 # model's head and its
 # checkpoint, the version-pinned patches), in the second environment
 # (scripts/setup_env_mcore019.sh). The full suite runs on 0.16.1 (scripts/test.sh); the checkpoint folder's
-# own logic (a killed save, a truncated checkpoint) runs there only.
+# own logic (a killed save, a truncated checkpoint) runs there only. To keep CI's time, the checkpoint tests run
+# with the distributed optimizer only, and these run on 0.16.1 only: test_pg_objectives (test_pg_packed's
+# single-rank steps and test_chunked_logprobs cover the same Megatron calls), the interleaved trainer through
+# checkpoints (the interleaved schedule's equivalence tests stay), and test_layouts (DP2/CP2: covered by
+# test_step_equivalence and test_dynamic_cp).
 # Other arguments go to pytest. Workers as in scripts/test.sh (MCORE_PACKING_TEST_WORKERS, 2 by default).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,11 +25,12 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   tests/test_patches.py tests/test_megatron_units.py tests/test_checkpoint.py \
   --deselect tests/test_checkpoint.py::test_sigkill_during_a_save_leaves_the_previous_checkpoint_usable \
   --deselect tests/test_checkpoint.py::test_a_truncated_checkpoint_is_skipped_by_name_then_refused_alone \
+  --deselect "tests/test_checkpoint.py::test_a_checkpoint_written_with_megatron_core_0_16_resumes_on_this_release[False]" \
+  --deselect "tests/test_checkpoint.py::test_resume_on_another_layout_continues_the_same_run[False]" \
   "tests/test_step_equivalence.py::test_two_ranks_match_reference" \
   tests/test_megatron_packed.py tests/test_dpo_packed.py \
   "tests/test_pg_packed.py::test_single_rank_packed_and_dynamic_pg_equal_unpacked" \
-  "tests/test_pg_objectives.py::test_every_objective_at_one_rank_packed_dynamic_and_half_budget" \
-  "tests/test_pg_objectives.py::test_log_probs_in_chunks_equal_them_computed_whole" tests/test_chunked_logprobs.py \
+  tests/test_chunked_logprobs.py \
   tests/test_memory_model.py tests/test_router_replay.py \
   "tests/test_rm.py::test_the_train_command_trains_a_reward_model_and_refuses_dpos_bad_pairs" \
   "tests/test_hf_conversion.py::test_each_family_imports_with_hf_logits" \
@@ -34,8 +39,7 @@ export MCORE_PACKING_016_PYTHON="${MCORE_PACKING_016_PYTHON:-${MCORE_PACKING_VEN
   "tests/test_interleaved.py::test_the_simulated_order_is_megatrons_schedule_table" \
   "tests/test_interleaved.py::test_pp2_vpp2_packed_and_dynamic_match_the_unpacked_reference" \
   "tests/test_interleaved.py::test_batched_p2p_at_pp2_breaks_the_interleaved_step" \
-  "tests/test_interleaved.py::test_the_trainer_at_pp2_vpp2_continues_pp1_runs_through_checkpoints" \
   "tests/test_dynamic_cp.py::test_dynamic_cp_steps_match_the_unpacked_reference" \
   tests/test_te_contract.py tests/test_collectives.py tests/test_sync_budget.py tests/test_gpu_check.py \
-  tests/test_seeded_init.py tests/test_layouts.py \
+  tests/test_seeded_init.py \
   "$@"

@@ -195,3 +195,36 @@ def load_error_worker(rank, world_size, folder):
     except (ValueError, FileNotFoundError) as exc:
         return str(exc)
     return None
+
+
+_WORKERS = {"logits": "logits_worker", "round_trip": "round_trip_worker", "variants": "variants_worker",
+            "load_error": "load_error_worker"}  # fmt: skip
+
+
+def cases_worker(rank, world_size, cases):
+    """Every case of ``cases`` in this one spawn, in order (each a dict: ``worker``, a key of `_WORKERS`, and
+    that worker's keyword arguments); Megatron's parallel state is destroyed after each and the converter's
+    tables restored (a negative control patches them). Returns per case ``{"ok": result}`` or ``{"error":
+    traceback}``. Every rank runs the same cases, so the collectives of one case meet their peers."""
+    import traceback
+
+    from megatron.core import parallel_state as ps
+
+    from mcore_packing.megatron import hf_weights
+
+    out = []
+    for case in cases:
+        kwargs = dict(case)
+        worker = globals()[_WORKERS[kwargs.pop("worker")]]
+        saved = dict(hf_weights._PER_LAYER), hf_weights._read_expert
+        try:
+            out.append({"ok": worker(rank, world_size, **kwargs)})
+        except Exception:  # reported per case; the test that reads it fails with the traceback
+            out.append({"error": traceback.format_exc()})
+        finally:
+            hf_weights._PER_LAYER.clear()
+            hf_weights._PER_LAYER.update(saved[0])
+            hf_weights._read_expert = saved[1]
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+    return out

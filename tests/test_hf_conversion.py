@@ -5,6 +5,10 @@ Tiny random models of each family (tests/hf_models.py) are saved with transforme
 sequence, in fp32: at TP=PP=1 and on real gloo ranks at TP=2 and PP=2, one sequence per forward and
 packed THD rows. A converter with gate and up swapped must fail the same comparison, and so must a
 GPT-OSS model without any one of its parts (window, sinks, YaRN, clamp, interleaved gate/up).
+
+Every case runs in one spawn per world size (`CASES`; `tests.hf_workers.cases_worker` rebuilds
+Megatron's parallel state between cases), so the ranks' start (torch and Megatron imported) is paid
+three times, not once per case; each test reads its case's result.
 """
 
 from __future__ import annotations
@@ -20,10 +24,51 @@ from .hf_models import FAMILIES, hf_logits, make_tiny
 
 RTOL = 1e-5
 SEQUENCES = [[5, 17, 99, 3, 42, 7, 100, 0, 64], [1, 2], [88] * 5 + list(range(20, 40)), [7]]
+GPT_OSS_PARTS = ["no_window", "no_sinks", "no_yarn", "no_clamp", "gate_up_halves"]
+MOE_LAYOUTS = [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 1, 1), ("mixtral", 1, 2, 1), ("qwen2_moe", 2, 2, 1),
+               ("qwen3_moe", 2, 1, 2), ("gpt_oss", 1, 2, 2)]  # fmt: skip
+"""(family, tp, ep, pp) of the MoE imports (TP runs with sequence parallelism)."""
+DENSE_LAYOUTS = [("qwen3", 2, 1), ("qwen3", 1, 2), ("llama_tied", 2, 1), ("llama_tied", 1, 2), ("qwen2", 2, 1),
+                 ("qwen2", 1, 2)]  # fmt: skip
+ROUND_TRIPS = [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1), ("qwen3_moe", 1, 2), ("mixtral", 1, 1),
+               ("gpt_oss", 2, 1)]  # fmt: skip
+SFT_EXPORTS = ["llama3", "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss"]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+def _cases(folders: dict, broken: dict) -> dict:
+    """Case id -> (world size, the case for `cases_worker`)."""
+    cases = {}
+
+    def add(key, world, worker, family, **kwargs):
+        cases[key] = (world, {"worker": worker, "folder": str(folders[family]), **kwargs})
+
+    for family in FAMILIES:
+        add(("alone", family), 1, "logits", family, sequences=SEQUENCES)
+    for family, tp, ep, pp in MOE_LAYOUTS:
+        add(("moe", family, tp, ep, pp), tp * ep * pp, "logits", family, sequences=SEQUENCES, tp=tp, ep=ep, pp=pp,
+            sp=tp > 1)  # fmt: skip
+    for family, tp, pp in DENSE_LAYOUTS:
+        add(("dense", family, tp, pp), tp * pp, "logits", family, sequences=SEQUENCES, tp=tp, pp=pp)
+    add(("tp2_pp2",), 4, "logits", "qwen3", sequences=SEQUENCES, tp=2, pp=2)
+    add(("gpt_oss_tp2",), 2, "logits", "gpt_oss", sequences=SEQUENCES, tp=2, sp=True, etp=1, bias_grads=True)
+    add(("gpt_oss_cp2",), 2, "logits", "gpt_oss", sequences=SEQUENCES, cp=2, ep=2)
+    add(("gpt_oss_parts",), 1, "variants", "gpt_oss", sequences=SEQUENCES, patches=GPT_OSS_PARTS)
+    for family in ("qwen3_moe", "qwen2_moe"):  # renormalized top-k, and softmax over all experts
+        add(("flip_topk_norm", family), 1, "variants", family, sequences=SEQUENCES, patches=["flip_topk_norm"])
+    add(("swap_gate_up",), 1, "logits", "llama3", sequences=SEQUENCES, patch="swap_gate_up")
+    for family, tp, pp in ROUND_TRIPS:
+        etp = 1 if family == "gpt_oss" else None  # GPT-OSS's biased experts: whole on every TP rank
+        add(("round_trip", family, tp, pp), tp * pp, "round_trip", family, tp=tp, pp=pp, etp=etp,
+            sp=family in ("qwen3_moe", "mixtral", "gpt_oss") and tp > 1)  # fmt: skip
+    for family in SFT_EXPORTS:
+        add(("sft_export", family), 1, "round_trip", family, sft_step=True, sequences=SEQUENCES)
+    for name, folder in broken.items():
+        cases[("load_error", name)] = (1, {"worker": "load_error", "folder": str(folder)})
+    return cases
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +77,43 @@ def checkpoints(tmp_path_factory):
     folders = {family: make_tiny(family, root / family) for family in FAMILIES}
     references = {family: hf_logits(folder, SEQUENCES) for family, folder in folders.items()}
     return folders, references
+
+
+@pytest.fixture(scope="module")
+def broken(checkpoints, tmp_path_factory):
+    """A Qwen2 folder missing a tensor, a Llama-3 folder whose config.json disagrees with its weights, and
+    the intact Qwen2 folder (the control)."""
+    folders, _ = checkpoints
+    root = tmp_path_factory.mktemp("broken")
+    return {"missing": _broken_copy(folders["qwen2"], root / "missing", drop="model.layers.1.self_attn.k_proj.bias"),
+            "wrong": _broken_copy(folders["llama3"], root / "wrong", config_changes={"intermediate_size": 80}),
+            "intact": folders["qwen2"]}  # fmt: skip
+
+
+class _Spawns:
+    """The results of every case, one spawn per world size, started when a test first asks for one."""
+
+    def __init__(self, cases: dict):
+        self.cases, self.results = cases, {}
+
+    def __call__(self, key) -> list:
+        """Every rank's result of case ``key`` (a case that raised: RuntimeError with its traceback)."""
+        world = self.cases[key][0]
+        if world not in self.results:
+            keys = [k for k, (w, _) in self.cases.items() if w == world]
+            ranks = run_distributed("tests.hf_workers:cases_worker", world, timeout=1200.0,
+                                    cases=[self.cases[k][1] for k in keys])  # fmt: skip
+            self.results[world] = {k: [rank[i] for rank in ranks] for i, k in enumerate(keys)}
+        found = self.results[world][key]
+        errors = [r["error"] for r in found if "error" in r]
+        if errors:
+            raise RuntimeError(f"case {key} failed:\n{errors[0]}")
+        return [r["ok"] for r in found]
+
+
+@pytest.fixture(scope="module")
+def spawns(checkpoints, broken):
+    return _Spawns(_cases(checkpoints[0], broken))
 
 
 def _logprobs(logits: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -56,15 +138,28 @@ def check(result: dict, reference: list[torch.Tensor]) -> dict:
 
 @pytest.mark.multirank
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_each_family_imports_with_hf_logits(checkpoints, family):
-    folders, references = checkpoints
-    result = run_distributed("tests.hf_workers:logits_worker", 1, folder=str(folders[family]), sequences=SEQUENCES)[0]
-    errors = check(result, references[family])
+def test_each_family_imports_with_hf_logits(checkpoints, spawns, family):
+    result = spawns(("alone", family))[0]
+    errors = check(result, checkpoints[1][family])
     assert errors["alone"] <= RTOL and errors["packed"] <= RTOL and errors["logprobs"] <= 1e-5, errors
 
 
 @pytest.mark.multirank
-def test_gpt_oss_at_tp2_with_whole_experts(checkpoints):
+@pytest.mark.parametrize(("family", "tp", "ep", "pp"), MOE_LAYOUTS)
+def test_moe_families_import_at_expert_and_tensor_parallel_sizes(checkpoints, spawns, family, tp, ep, pp):
+    """Experts split over EP ranks (each reads only its own experts' tensors) and over TP like a dense MLP
+    (with sequence parallelism, which Megatron's MoE layer needs under TP), and over pipeline stages (the
+    later stage's routers get this TP rank's share of the padding mask); the tokens of every sequence
+    travel to their experts' ranks by Megatron's all-to-all and back."""
+    results = spawns(("moe", family, tp, ep, pp))
+    errors = check(results[0], checkpoints[1][family])
+    assert all(e <= RTOL for e in errors.values()), (family, tp, ep, pp, errors)
+    if ep > 1 and pp == 1:  # each rank read only its experts: fewer tensors than the whole checkpoint
+        assert results[0]["stats"]["tensors_read"] < spawns(("alone", family))[0]["stats"]["tensors_read"]
+
+
+@pytest.mark.multirank
+def test_gpt_oss_at_tp2_with_whole_experts(checkpoints, spawns):
     """TP2 with sequence parallelism: attention (and its sinks) cut over the TP ranks, every expert whole on
     both (``etp=1``: Megatron has expert biases only there), each TP rank's tokens to its experts. The
     experts' fc2 bias gradients of one SFT step equal transformers' (Megatron alone sums them over TP after
@@ -72,9 +167,8 @@ def test_gpt_oss_at_tp2_with_whole_experts(checkpoints):
     import transformers
 
     folders, references = checkpoints
-    results = run_distributed("tests.hf_workers:logits_worker", 2, folder=str(folders["gpt_oss"]), sequences=SEQUENCES,
-                              tp=2, sp=True, etp=1, bias_grads=True)  # fmt: skip
-    errors = check(results[0], references["gpt_oss"])
+    result = spawns(("gpt_oss_tp2",))[0]
+    errors = check(result, references["gpt_oss"])
     assert all(e <= RTOL for e in errors.values()), errors
     hf = transformers.AutoModelForCausalLM.from_pretrained(folders["gpt_oss"], dtype=torch.float32)
     targets = sum(len(s) - 1 for s in SEQUENCES)
@@ -83,100 +177,53 @@ def test_gpt_oss_at_tp2_with_whole_experts(checkpoints):
     loss.backward()
     want = hf.model.layers[0].mlp.experts.down_proj_bias.grad
     for case, bound in (("repaired", 1e-5), ("unrepaired", None)):
-        got = results[0]["bias_grads"][case]
+        got = result["bias_grads"][case]
         error = max(rel_err(got[f"decoder.layers.0.mlp.experts.local_experts.{e}.linear_fc2.bias"], want[e])
                     for e in range(len(want)))  # fmt: skip
         assert (error <= bound) if bound else (error > 0.5), (case, error)
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    ("family", "tp", "ep", "pp"),
-    [
-        ("qwen3_moe", 1, 2, 1),
-        ("qwen3_moe", 2, 1, 1),
-        ("mixtral", 1, 2, 1),
-        ("qwen2_moe", 2, 2, 1),
-        ("qwen3_moe", 2, 1, 2),
-        ("gpt_oss", 1, 2, 2),
-    ],
-)
-def test_moe_families_import_at_expert_and_tensor_parallel_sizes(checkpoints, family, tp, ep, pp):
-    """Experts split over EP ranks (each reads only its own experts' tensors) and over TP like a dense MLP
-    (with sequence parallelism, which Megatron's MoE layer needs under TP), and over pipeline stages (the
-    later stage's routers get this TP rank's share of the padding mask); the tokens of every sequence
-    travel to their experts' ranks by Megatron's all-to-all and back."""
-    folders, references = checkpoints
-    results = run_distributed("tests.hf_workers:logits_worker", tp * ep * pp, folder=str(folders[family]),
-                              sequences=SEQUENCES, tp=tp, ep=ep, pp=pp, sp=tp > 1)  # fmt: skip
-    errors = check(results[0], references[family])
-    assert all(e <= RTOL for e in errors.values()), (family, tp, ep, pp, errors)
-    if ep > 1:  # each rank read only its experts: fewer tensors than the whole checkpoint
-        assert results[0]["stats"]["tensors_read"] < run_distributed(
-            "tests.hf_workers:logits_worker", 1, folder=str(folders[family]), sequences=SEQUENCES[:1]
-        )[0]["stats"]["tensors_read"]
-
-
-@pytest.mark.multirank
-def test_gpt_oss_at_cp2_with_its_experts_over_two_ranks(checkpoints):
+def test_gpt_oss_at_cp2_with_its_experts_over_two_ranks(checkpoints, spawns):
     """CP2 x EP2 on two ranks: each sequence split into 4 chunks (a window of 4 and the sinks over the CP
     ranks' shares, YaRN at global positions), the experts' tokens moved by the all-to-all."""
-    folders, references = checkpoints
-    results = run_distributed("tests.hf_workers:logits_worker", 2, folder=str(folders["gpt_oss"]), sequences=SEQUENCES,
-                              cp=2, ep=2)  # fmt: skip
-    assert check(results[0], references["gpt_oss"])["logprobs"] <= 1e-5
+    assert check(spawns(("gpt_oss_cp2",))[0], checkpoints[1]["gpt_oss"])["logprobs"] <= 1e-5
 
 
 @pytest.mark.multirank
-def test_negative_control_gpt_oss_without_each_of_its_parts_is_caught(checkpoints):
-    folders, references = checkpoints
-    patches = ["no_window", "no_sinks", "no_yarn", "no_clamp", "gate_up_halves"]
-    (result,) = run_distributed("tests.hf_workers:variants_worker", 1, folder=str(folders["gpt_oss"]),
-                                sequences=SEQUENCES, patches=patches)  # fmt: skip
-    errors = {p: max(rel_err(a, b) for a, b in zip(result[p], references["gpt_oss"], strict=True)) for p in patches}
+def test_negative_control_gpt_oss_without_each_of_its_parts_is_caught(checkpoints, spawns):
+    result = spawns(("gpt_oss_parts",))[0]
+    reference = checkpoints[1]["gpt_oss"]
+    errors = {p: max(rel_err(a, b) for a, b in zip(result[p], reference, strict=True)) for p in GPT_OSS_PARTS}
     assert all(e > 100 * RTOL for e in errors.values()), errors
 
 
 @pytest.mark.multirank
-def test_negative_control_the_other_routing_normalization_is_caught(checkpoints):
-    folders, references = checkpoints
-    for family in ("qwen3_moe", "qwen2_moe"):  # renormalized top-k, and softmax over all experts
-        result = run_distributed("tests.hf_workers:logits_worker", 1, folder=str(folders[family]),
-                                 sequences=SEQUENCES, patch="flip_topk_norm")[0]  # fmt: skip
-        assert check(result, references[family])["alone"] > 100 * RTOL, family
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_negative_control_the_other_routing_normalization_is_caught(checkpoints, spawns, family):
+    result = spawns(("flip_topk_norm", family))[0]["flip_topk_norm"]
+    assert max(rel_err(a, b) for a, b in zip(result, checkpoints[1][family], strict=True)) > 100 * RTOL
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)])
-@pytest.mark.parametrize("family", ["qwen3", "llama_tied", "qwen2"])
-def test_tensor_and_pipeline_parallel_imports_match(checkpoints, family, tp, pp):
-    folders, references = checkpoints
-    results = run_distributed(
-        "tests.hf_workers:logits_worker", tp * pp, folder=str(folders[family]), sequences=SEQUENCES, tp=tp, pp=pp
-    )
-    errors = check(results[0], references[family])
+@pytest.mark.parametrize(("family", "tp", "pp"), DENSE_LAYOUTS)
+def test_tensor_and_pipeline_parallel_imports_match(checkpoints, spawns, family, tp, pp):
+    errors = check(spawns(("dense", family, tp, pp))[0], checkpoints[1][family])
     assert all(e <= RTOL for e in errors.values()), (family, tp, pp, errors)
 
 
 @pytest.mark.multirank
-def test_tp2_pp2_together(checkpoints):
-    folders, references = checkpoints
-    results = run_distributed(
-        "tests.hf_workers:logits_worker", 4, folder=str(folders["qwen3"]), sequences=SEQUENCES, tp=2, pp=2
-    )
-    errors = check(results[0], references["qwen3"])
+def test_tp2_pp2_together(checkpoints, spawns):
+    results = spawns(("tp2_pp2",))
+    errors = check(results[0], checkpoints[1]["qwen3"])
     assert errors["logprobs"] <= RTOL, errors
     # Stage 0: the embedding and layer 0 (11 tensors); stage 1: layer 1, final norm, lm_head. Never all 25.
     assert sorted(r["stats"]["tensors_read"] for r in results) == [12, 12, 13, 13]
 
 
 @pytest.mark.multirank
-def test_negative_control_swapped_gate_and_up_is_caught(checkpoints):
-    folders, references = checkpoints
-    result = run_distributed(
-        "tests.hf_workers:logits_worker", 1, folder=str(folders["llama3"]), sequences=SEQUENCES, patch="swap_gate_up"
-    )[0]
-    errors = check(result, references["llama3"])
+def test_negative_control_swapped_gate_and_up_is_caught(checkpoints, spawns):
+    errors = check(spawns(("swap_gate_up",))[0], checkpoints[1]["llama3"])
     assert errors["alone"] > 1e-2 and errors["packed"] > 1e-2, errors
 
 
@@ -189,22 +236,17 @@ def _merge(results, shape, expert_tp=None):
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize(
-    "family, tp, pp",
-    [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1), ("qwen3_moe", 1, 2), ("mixtral", 1, 1), ("gpt_oss", 2, 1)],
-)
-def test_import_then_export_is_bit_exact(checkpoints, tmp_path, family, tp, pp):
+@pytest.mark.parametrize(("family", "tp", "pp"), ROUND_TRIPS)
+def test_import_then_export_is_bit_exact(checkpoints, spawns, tmp_path, family, tp, pp):
     from safetensors.torch import load_file
 
     from mcore_packing.megatron.hf_folder import save_hf_folder
+    from mcore_packing.megatron.hf_weights import HFTensors
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
     folders, _ = checkpoints
     shape = shape_from_hf_config(read_hf_config(folders[family]))
-    etp = 1 if shape.linear_bias else None  # GPT-OSS's biased experts: whole on every TP rank
-    results = run_distributed("tests.hf_workers:round_trip_worker", tp * pp, folder=str(folders[family]), tp=tp, pp=pp,
-                              etp=etp, sp=shape.is_moe and tp > 1)  # fmt: skip
-    merged = _merge(results, shape, expert_tp=etp)
+    merged = _merge(spawns(("round_trip", family, tp, pp)), shape, expert_tp=1 if family == "gpt_oss" else None)
     original = load_file(str(folders[family] / "model.safetensors"))
     assert sorted(merged) == sorted(original)
     assert all(torch.equal(merged[k], original[k]) for k in original), [
@@ -215,24 +257,20 @@ def test_import_then_export_is_bit_exact(checkpoints, tmp_path, family, tp, pp):
         merged, shape, tmp_path / "out", source=folders[family], dtype="float32", max_shard_bytes=40_000
     )
     assert (out / "model.safetensors.index.json").is_file() and len(list(out.glob("model-*.safetensors"))) > 1
-    from mcore_packing.megatron.hf_weights import HFTensors
-
     written = HFTensors(out)
     assert all(torch.equal(written.read(k), original[k]) for k in original)
     assert shape_from_hf_config(read_hf_config(out)) == shape
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss"])
-def test_after_a_packed_sft_step_the_export_loads_in_transformers(checkpoints, tmp_path, family):
+@pytest.mark.parametrize("family", SFT_EXPORTS)
+def test_after_a_packed_sft_step_the_export_loads_in_transformers(checkpoints, spawns, tmp_path, family):
     from mcore_packing.megatron.hf_folder import save_hf_folder
     from mcore_packing.planning.hf_config import read_hf_config, shape_from_hf_config
 
     folders, references = checkpoints
     shape = shape_from_hf_config(read_hf_config(folders[family]))
-    (result,) = run_distributed(
-        "tests.hf_workers:round_trip_worker", 1, folder=str(folders[family]), sft_step=True, sequences=SEQUENCES
-    )
+    (result,) = spawns(("sft_export", family))
     out = save_hf_folder(_merge([result], shape), shape, tmp_path / "out", source=folders[family], dtype="float32")
     reloaded = hf_logits(out, SEQUENCES)
     errors = [rel_err(a, b) for a, b in zip(result["logits"], reloaded, strict=True)]
@@ -260,18 +298,13 @@ def _broken_copy(src, dst, *, drop=None, config_changes=None):
 
 
 @pytest.mark.multirank
-def test_bad_checkpoints_fail_before_training_naming_the_tensor(checkpoints, tmp_path):
-    folders, _ = checkpoints
-    missing = _broken_copy(folders["qwen2"], tmp_path / "missing", drop="model.layers.1.self_attn.k_proj.bias")
-    wrong = _broken_copy(folders["llama3"], tmp_path / "wrong", config_changes={"intermediate_size": 80})
-    errors = [
-        run_distributed("tests.hf_workers:load_error_worker", 1, folder=str(folder))[0] for folder in (missing, wrong)
-    ]
-    assert "tensor 'model.layers.1.self_attn.k_proj.bias' is missing" in errors[0], errors[0]
-    assert "model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight gives shape (192, 64)" in errors[1]
-    assert "(160, 64)" in errors[1], errors[1]
-    # The intact folder loads (the control for both).
-    assert run_distributed("tests.hf_workers:load_error_worker", 1, folder=str(folders["qwen2"]))[0] is None
+def test_bad_checkpoints_fail_before_training_naming_the_tensor(spawns):
+    errors = {name: spawns(("load_error", name))[0] for name in ("missing", "wrong", "intact")}
+    assert "tensor 'model.layers.1.self_attn.k_proj.bias' is missing" in errors["missing"], errors["missing"]
+    assert "model.layers.0.mlp.gate_proj.weight, model.layers.0.mlp.up_proj.weight gives shape (192, 64)" in errors[
+        "wrong"]  # fmt: skip
+    assert "(160, 64)" in errors["wrong"], errors["wrong"]
+    assert errors["intact"] is None  # the intact folder loads (the control for both)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
