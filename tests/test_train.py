@@ -209,12 +209,11 @@ def test_a_config_error_exits_2_from_the_command_line(tmp_path):
 @pytest.mark.parametrize(
     "parallel",
     [
-        [],
+        ["model.dtype=bfloat16", "optimizer.use_distributed_optimizer=true"],  # DP2: the optimizer state sharded
         ["parallel.cp=2"],
         ["parallel.tp=2", "parallel.sequence_parallel=true", "model.num_query_groups=2"],
-        ["model.dtype=bfloat16", "optimizer.use_distributed_optimizer=true"],
     ],
-    ids=["dp2", "cp2", "tp2-sp", "bf16-distributed-optimizer"],
+    ids=["dp2-bf16-distributed-optimizer", "cp2", "tp2-sp"],
 )
 def test_torchrun_two_ranks(tmp_path, parallel):
     proc = train(tmp_path / "run", "training.steps=3", *parallel, torchrun=2)
