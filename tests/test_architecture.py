@@ -1,5 +1,6 @@
-"""The package's shape, checked: layers import only downwards, the planner never loads torch, and no
-function is long enough to hide two jobs. Each check also runs on a broken input (a negative control)."""
+"""The package's shape, checked: layers import only downwards, no two modules import each other (directly
+or around a circle, lazy imports included), the planner never loads torch, and no function is long enough
+to hide two jobs. Each check also runs on a broken input (a negative control)."""
 
 from __future__ import annotations
 
@@ -92,6 +93,89 @@ def _sources():
 def test_layers_import_only_downwards():
     bad = [b for path, module, pkg in _sources() for b in upward_imports(path.read_text(), module, pkg)]
     assert bad == [], "imports against the data flow:\n" + "\n".join(bad)
+
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Module -> the modules it imports (top level or inside functions), from ``{module: (source,
+    is_package)}``. ``from pkg import name`` points at ``pkg.name`` when that is a module, at the module a
+    package re-exports ``name`` from (its ``from .sub import name``), else at the package itself."""
+    reexports = {}
+    for module, (source, is_package) in sources.items():
+        for node in ast.parse(source).body if is_package else ():
+            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+                reexports.update({(module, a.asname or a.name): f"{module}.{node.module}" for a in node.names})
+    graph = {}
+    for module, (source, is_package) in sources.items():
+        edges = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in sources}
+            elif isinstance(node, ast.ImportFrom):
+                base = module.split(".") if is_package else module.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                for a in node.names if target in sources else ():
+                    sub = f"{target}.{a.name}"
+                    edges.add(sub if sub in sources else reexports.get((target, a.name), target))
+        graph[module] = edges - {module}
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, circles = {}, {}, set(), [], []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                if len(group) > 1:
+                    circles.append(sorted(group))
+    return circles
+
+
+def test_no_import_circles():
+    graph = import_graph({module: (path.read_text(), pkg) for path, module, pkg in _sources()})
+    assert import_circles(graph) == [], "modules that import each other (move what both need to a third):\n" + str(
+        import_circles(graph))  # fmt: skip
+
+
+def test_negative_control_an_import_circle_is_flagged():
+    sources = {
+        "mcore_packing.p": ("from .a import f\n", True),
+        "mcore_packing.p.a": ("def f():\n    from .b import g\n", False),  # lazy imports count
+        "mcore_packing.p.b": ("from mcore_packing.p.c import h\n", False),
+        "mcore_packing.p.c": ("from . import f\n", False),  # the package's re-export of a.f: an edge to a
+        "mcore_packing.p.d": ("from .a import f\n", False),
+    }
+    assert import_circles(import_graph(sources)) == [["mcore_packing.p.a", "mcore_packing.p.b", "mcore_packing.p.c"]]
+    sources["mcore_packing.p.c"] = ("x = 1\n", False)
+    assert import_circles(import_graph(sources)) == []
 
 
 def test_every_package_has_a_layer():

@@ -28,7 +28,7 @@ from ..planning.model_shape import MOE_TRAINING_FIELDS
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import DPOConfig, GRPOConfig, RMConfig
 from ..validators import InvalidValue, require_choice, require_positive_int
-from .algorithms import ALGORITHMS
+from .algorithms.registry import ALGORITHMS
 from .memory_settings import memory_model
 from .run_names import default_run_dir
 from .stop_request import DEFAULT_STOP_SIGNALS, check_stop_signals
@@ -405,7 +405,7 @@ class TrainConfig:
     def optimizer_steps(self) -> int:
         """Optimizer (and LR schedule) steps of the run: ``training.steps`` times the algorithm's optimizer
         steps per step (GRPO: ``grpo.num_minibatches``)."""
-        from .algorithms import get_algorithm
+        from .algorithms.registry import get_algorithm
 
         return self.training.steps * get_algorithm(self.algorithm).optimizer_steps(self)
 
@@ -441,7 +441,7 @@ GROUPS = {
 def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
     """Checks that span groups or need the world size (and the algorithm's config checks); returns the
     run's layout."""
-    from .algorithms import get_algorithm
+    from .algorithms.registry import get_algorithm
 
     par = cfg.parallel
     layout = par.layout(world_size)
@@ -461,7 +461,7 @@ def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
     no fixed shapes."""
     if not cfg.context_parallel.dynamic:
         return
-    from ..planning.dynamic_cp import check_dynamic_cp_layout
+    from ..planning.layout import check_dynamic_cp_layout
 
     key = "context_parallel.dynamic"
     if layout.cp == 1:

@@ -47,6 +47,7 @@ from .packed_seq import bshd_cp_params
 from .prepare import count_targets, per_sample_logprobs, prepare_micro_batch
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
 from .step_loss import StepLoss, entropy_for, micro_batch_share
+from .step_result import StepResult, step_loss
 
 __all__ = ["compute_logprobs_dynamic_cp", "forward_backward_dynamic_cp"]
 
@@ -66,7 +67,6 @@ def forward_backward_dynamic_cp(
     the optimizer step is the caller's. ``model``: one DDP-wrapped chunk at pp=1, built at CP =
     ``plan.config.layout.cp``; ``process_groups`` with its dynamic-CP sub-groups. Called through
     `schedule.forward_backward`, which checks the loss and the samples first."""
-    from .schedule import StepResult, _step_loss
 
     groups = _check(model, plan, process_groups, verify=verify)
     mine = plan.for_rank(groups.rank)
@@ -100,7 +100,7 @@ def forward_backward_dynamic_cp(
         for router_loss in moe_losses:
             router_loss.end_step()
     return StepResult(
-        loss=_step_loss(store, process_groups, device),
+        loss=step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,
         num_sequences=totals.num_sequences,
         num_microbatches=len(mine),

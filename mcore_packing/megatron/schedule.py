@@ -31,12 +31,11 @@ must carry the CP sub-groups (`ProcessGroups.with_dynamic_cp`).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from ..collectives import all_reduce, broadcast
+from ..collectives import all_reduce
 from ..data.sample import SequenceSample
 from ..planning.dynamic_cp import DynamicCPPlan
 from ..planning.pipeline import check_interleaved_count
@@ -47,20 +46,9 @@ from .prepare import PreparedMicroBatch, local_step_counts, per_sample_logprobs,
 from .process_groups import ProcessGroups, group_size, verify_plan_across_ranks
 from .shared_prefix import attach_shared_prefix, score_extra_rows, shared_prefix_of
 from .step_loss import StepLoss, TokenMeanNLL, entropy_for, micro_batch_share
+from .step_result import StepResult, broadcast_from_last_stage, step_loss
 
 __all__ = ["StepResult", "compute_logprobs", "forward_backward"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """Outcome of one step on this rank. ``loss`` is the exact global loss (on every rank)."""
-
-    loss: float
-    num_tokens: int
-    num_sequences: int
-    num_microbatches: int
-    padded_tokens: int
-    real_tokens: int
 
 
 def forward_backward(
@@ -131,7 +119,7 @@ def forward_backward(
         for router_loss in moe_losses:
             router_loss.end_step()
     return StepResult(
-        loss=_step_loss(store, process_groups, device),
+        loss=step_loss(store, process_groups, device),
         num_tokens=totals.num_tokens,
         num_sequences=totals.num_sequences,
         num_microbatches=len(micro),
@@ -182,7 +170,7 @@ def compute_logprobs(
         _run_schedule(model, prepared, plan, process_groups, loss_func, forward_only=True)
     if group_size(process_groups.dp) > 1:
         all_reduce(out, process_groups.dp)  # each row was filled by exactly one DP rank
-    _broadcast_from_last_stage(out, process_groups)
+    broadcast_from_last_stage(out, process_groups)
     return out
 
 
@@ -285,24 +273,6 @@ def _check_shared_prefix(model, plan, loss) -> None:
 def _is_dynamic_cp(plan) -> bool:
     """Whether ``plan`` is a dynamic-CP plan (`planning.dynamic_cp.DynamicCPPlan`) rather than a `StepPlan`."""
     return isinstance(plan, DynamicCPPlan)
-
-
-def _step_loss(store: list[dict], process_groups: ProcessGroups, device: torch.device) -> float:
-    """The step's exact loss on every rank: summed on the last stage over micro-batches (on the device)
-    and DP x CP, then broadcast over the pipeline; read to the host once, after the schedule."""
-    loss = torch.zeros(1, dtype=torch.float32, device=device)
-    if process_groups.is_last_stage:
-        for item in store:
-            loss += item["weighted_loss"].float()
-        if group_size(process_groups.dp_cp) > 1:
-            all_reduce(loss, process_groups.dp_cp)
-    _broadcast_from_last_stage(loss, process_groups)
-    return float(loss.item())
-
-
-def _broadcast_from_last_stage(tensor: torch.Tensor, process_groups: ProcessGroups) -> None:
-    if process_groups.pp is not None and process_groups.pp_size > 1:
-        broadcast(tensor, process_groups.pp_size - 1, process_groups.pp)
 
 
 def _check_step(model, samples: Sequence[SequenceSample], plan: StepPlan):

@@ -54,31 +54,13 @@ from ..packing.validation import as_lengths
 from ..validators import require_positive_int
 from .balance import max_over_mean
 from .cost_model import CostModel
-from .layout import ParallelLayout
+from .layout import ParallelLayout, check_dynamic_cp_layout
+from .micro_batch import MicroBatchPlan, group_members, micro_batch_cost, plan_fingerprint
 from .padding import PaddingRule, micro_batch_tokens
-from .step_config import StepPlanConfig
-from .step_plan import MicroBatchPlan, group_members, micro_batch_cost, plan_fingerprint
+from .step_config import DYNAMIC_CP_MODES, StepPlanConfig
 
 __all__ = ["DYNAMIC_CP_MODES", "CPRow", "DynamicCPConfig", "DynamicCPPlan", "check_dynamic_cp_layout",
            "plan_dynamic_cp", "simulate_rows"]  # fmt: skip
-
-DYNAMIC_CP_MODES = ("packing", "dynamic")
-"""The `StepPlanConfig` modes dynamic CP plans: THD rows, and dynamic batching's BSHD rows (not ``padded``)."""
-
-
-def check_dynamic_cp_layout(layout: ParallelLayout, *, key: str = "context_parallel.dynamic", cp_key: str = "cp",
-                            pp_key: str = "pp") -> None:  # fmt: skip
-    """The layouts dynamic CP runs on: a power-of-two ``cp`` and ``pp = 1`` (ValueError naming ``key`` and
-    the layout's keys ``cp_key`` / ``pp_key``)."""
-    if layout.cp & (layout.cp - 1):
-        raise ValueError(f"{key} needs a power-of-two {cp_key} (sizes 1, 2, 4, ...); got {cp_key}={layout.cp}.")
-    if layout.pp > 1:
-        raise ValueError(
-            f"{key} runs at {pp_key}=1 (got {pp_key}={layout.pp}): a row's ranks meet it at different positions of "
-            "their micro-batch lists, and under a pipeline schedule a rank that waits there for its row's other ranks "
-            f"also holds up its neighbouring stages, which can deadlock. Use {pp_key}=1, or static CP."
-        )
-
 
 @dataclass(frozen=True, kw_only=True)
 class DynamicCPConfig:

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 from ..validators import require_positive_int
 
-__all__ = ["SINGLE_RANK", "ParallelLayout"]
+__all__ = ["SINGLE_RANK", "ParallelLayout", "check_dynamic_cp_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,3 +177,17 @@ class ParallelLayout:
 
 SINGLE_RANK = ParallelLayout()
 """One rank: the default layout of functions that take one."""
+
+
+def check_dynamic_cp_layout(layout: ParallelLayout, *, key: str = "context_parallel.dynamic", cp_key: str = "cp",
+                            pp_key: str = "pp") -> None:  # fmt: skip
+    """The layouts dynamic CP runs on: a power-of-two ``cp`` and ``pp = 1`` (ValueError naming ``key`` and
+    the layout's keys ``cp_key`` / ``pp_key``)."""
+    if layout.cp & (layout.cp - 1):
+        raise ValueError(f"{key} needs a power-of-two {cp_key} (sizes 1, 2, 4, ...); got {cp_key}={layout.cp}.")
+    if layout.pp > 1:
+        raise ValueError(
+            f"{key} runs at {pp_key}=1 (got {pp_key}={layout.pp}): a row's ranks meet it at different positions of "
+            "their micro-batch lists, and under a pipeline schedule a rank that waits there for its row's other ranks "
+            f"also holds up its neighbouring stages, which can deadlock. Use {pp_key}=1, or static CP."
+        )

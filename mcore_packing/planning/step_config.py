@@ -21,16 +21,20 @@ from ..packing import DEFAULT_ALGORITHM, get_packer
 from ..validators import require_choice, require_positive_int, require_positive_number
 from .balance import BALANCES, ORDERS
 from .cost_model import CostModel
-from .layout import SINGLE_RANK, ParallelLayout
+from .layout import SINGLE_RANK, ParallelLayout, check_dynamic_cp_layout
 from .memory import parse_bytes
 from .padding import PaddingRule, micro_batch_tokens
 from .sections import section_keys
 
-__all__ = ["MODES", "StepPlanConfig"]
+__all__ = ["DYNAMIC_CP_MODES", "MODES", "StepPlanConfig"]
 
 MODES = ("packing", "dynamic", "padded")
 """``packing``: whole sequences in THD rows; ``dynamic``: similar lengths in padded BSHD rows;
 ``padded``: the baseline, ``padded_rows`` consecutive samples padded to their longest."""
+
+DYNAMIC_CP_MODES = ("packing", "dynamic")
+"""The `StepPlanConfig` modes dynamic CP plans: THD rows, and dynamic batching's BSHD rows (not ``padded``)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepPlanConfig:
@@ -118,8 +122,6 @@ class StepPlanConfig:
             self._check_dynamic_cp()
 
     def _check_dynamic_cp(self) -> None:
-        from .dynamic_cp import DYNAMIC_CP_MODES, check_dynamic_cp_layout
-
         check_dynamic_cp_layout(self.layout, key="dynamic_cp")
         if self.mode not in DYNAMIC_CP_MODES:
             raise ValueError(

@@ -23,11 +23,9 @@ with equal counts (`balance`: by cost, by tokens, or round-robin), and each rank
 
 from __future__ import annotations
 
-import hashlib
 import heapq
-import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -36,6 +34,7 @@ from ..packing import PackedBins, cost_capped_first_fit, enforce_bin_count, get_
 from ..packing.validation import as_lengths
 from .balance import assign_balanced, assign_round_robin, max_over_mean, order_microbatches
 from .cost_model import CostModel
+from .micro_batch import MicroBatchPlan, group_members, micro_batch_cost, plan_fingerprint
 from .rebalance import rebalance_units
 from .shared_prefix import SharedPrefix, check_same_groups, shared_prefix_layout
 from .step_config import StepPlanConfig
@@ -44,24 +43,6 @@ if TYPE_CHECKING:
     from .dynamic_cp import DynamicCPPlan
 
 __all__ = ["MicroBatchPlan", "StepPlan", "micro_batch_cost", "plan_step"]
-
-
-@dataclass(frozen=True)
-class MicroBatchPlan:
-    """One micro-batch: the global-batch indices of its samples and its padded shape.
-
-    ``shape`` is ``(1, row_length)`` in packing mode (the whole THD row, before the CP split) and
-    ``(rows, padded_length)`` in dynamic mode.
-    """
-
-    sample_indices: tuple[int, ...]
-    shape: tuple[int, int]
-    real_tokens: int
-    cost: float = 0.0
-
-    @property
-    def padded_tokens(self) -> int:
-        return self.shape[0] * self.shape[1]
 
 
 @dataclass(frozen=True)
@@ -176,20 +157,6 @@ class StepPlan:
             "max_tokens_per_rank": max((mb.padded_tokens for rank in self.micro_batches for mb in rank), default=0)
             // self.config.layout.cp,
         }
-
-
-def plan_fingerprint(plan, **planned) -> str:
-    """A hash of a plan's inputs (its config, pass, lengths and groups) and of ``planned`` (what it
-    decided, as JSON-able lists): `StepPlan.fingerprint`, `DynamicCPPlan.fingerprint`."""
-    payload = {
-        "config": asdict(plan.config),
-        "forward_only": plan.forward_only,
-        "lengths": list(plan.lengths),
-        "groups": [str(g) for g in plan.groups or []],
-        **({"shared_prefix": list(plan.shared_prefix)} if getattr(plan, "shared_prefix", None) is not None else {}),
-        **planned,
-    }
-    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=list).encode()).hexdigest()
 
 
 def plan_step(
@@ -356,19 +323,6 @@ def _bin_totals(bins, shapes, lengths, padded, config: StepPlanConfig, model: Co
     return real, cost + model.per_microbatch + exchange
 
 
-def micro_batch_cost(padded_lengths, shape: tuple[int, int], mode: str, cp_size: int, model: CostModel) -> float:
-    """Predicted cost of one micro-batch on one CP rank: attention per sequence in packing mode (the row's
-    padding counts as part of its last span), ``rows`` sequences of the padded width otherwise; plus the
-    model's per-micro-batch constant and the CP exchange (`CostModel.cp_exchange`)."""
-    exchange = model.cp_exchange(shape[0] * shape[1], cp_size)
-    if mode == "packing":
-        spans = np.asarray(padded_lengths, dtype=np.float64).copy()
-        spans[-1] += shape[1] - spans.sum()
-        return float(model.sequence_cost(spans, cp_size).sum()) + model.per_microbatch + exchange
-    rows, width = shape
-    return rows * float(model.sequence_cost([width], cp_size)[0]) + model.per_microbatch + exchange
-
-
 def _units(groups, lengths: np.ndarray, config: StepPlanConfig, forward_only: bool) -> list[list[int]] | None:
     """Samples grouped by id (first-appearance order), or None without groups."""
     if groups is None:
@@ -379,17 +333,6 @@ def _units(groups, lengths: np.ndarray, config: StepPlanConfig, forward_only: bo
         raise ValueError("groups keep samples together in one micro-batch: they need mode='packing' or 'dynamic'.")
     config.check_groups_fit(lengths, groups, forward_only=forward_only)
     return members
-
-
-def group_members(groups, count: int) -> list[list[int]]:
-    """The samples of each group id, in the order ids first appear (``groups``: one id per sample)."""
-    groups = list(groups)
-    if len(groups) != count:
-        raise ValueError(f"groups has {len(groups)} entries for {count} samples; give one group id per sample.")
-    members: dict = {}
-    for i, g in enumerate(groups):
-        members.setdefault(g, []).append(i)
-    return list(members.values())
 
 
 def _unit_sums(items: list[list[int]], values: np.ndarray) -> np.ndarray:

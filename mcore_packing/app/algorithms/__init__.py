@@ -25,23 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from importlib import import_module
 
 import numpy as np
 
 from ...data.sample import SequenceSample
+from .registry import ALGORITHMS, get_algorithm
 
 __all__ = ["ALGORITHMS", "RunData", "StoreSamples", "batch_samples", "get_algorithm", "open_prepared", "step_metrics"]
-
-ALGORITHMS = ("sft", "grpo", "dpo", "rm")
-
-
-def get_algorithm(name: str):
-    """The module of algorithm ``name`` (one of `ALGORITHMS`)."""
-    if name not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {name!r}.")
-    return import_module(f".{name}", __name__)
-
 
 def open_prepared(cfg, kind: str, *, instead_of: str | None = None):
     """The store ``data.prepared`` names, checked: written by ``prepare --kind <kind>``; tokenized with

@@ -27,44 +27,11 @@ hashes, or when a call site's source changed: re-verify the patch, then record t
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import inspect
-from dataclasses import dataclass, field
-
-from ...compat import megatron_core_version
+from .expert_bias_add import EXPERT_BIAS_ADD
+from .patch_record import Patch, source_hash
+from .rope_cp_group import ROPE_CP_GROUP
 
 __all__ = ["EXPERT_BIAS_ADD", "MOE_WITHOUT_TE", "PATCHES", "ROPE_CP_GROUP", "TORCH_ADAM_LOAD", "Patch", "source_hash"]
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split("+")[0].split(".")[:3] if p.isdigit())
-
-
-@dataclass(frozen=True, kw_only=True)
-class Patch:
-    """One patch: ``versions`` is the ``[low, high)`` range of megatron-core versions it applies to;
-    ``verified`` maps each version it was checked on to ``{call site: source hash}``."""
-
-    name: str
-    what: str
-    versions: tuple[tuple[int, ...], tuple[int, ...]]
-    verified: dict[str, dict[str, str]] = field(default_factory=dict)
-
-    def applies(self, version: str | None = None) -> bool:
-        """Whether the installed (or the given) megatron-core version is in this patch's range."""
-        found = _version_tuple(version or megatron_core_version())
-        low, high = self.versions
-        return bool(found) and low <= found < high
-
-
-def source_hash(call_site: str) -> str:
-    """The first 16 hex digits of the sha256 of ``module:qualname``'s source in the installed version."""
-    module, qualname = call_site.split(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return hashlib.sha256(inspect.getsource(obj).encode()).hexdigest()[:16]
 
 
 TORCH_ADAM_LOAD = Patch(
@@ -104,8 +71,6 @@ MOE_WITHOUT_TE = Patch(
     },
 )  # fmt: skip
 
-from .expert_bias_add import EXPERT_BIAS_ADD  # noqa: E402  (it imports Patch from here)
-from .rope_cp_group import ROPE_CP_GROUP  # noqa: E402
 
 PATCHES = (TORCH_ADAM_LOAD, MOE_WITHOUT_TE, ROPE_CP_GROUP, EXPERT_BIAS_ADD)
 """The patches with pinned call sites (the CPU adapter pins its call sites through the tests that run it)."""

@@ -18,7 +18,7 @@ the losses). `install` clears the mark on those biases.
 
 from __future__ import annotations
 
-from . import Patch
+from .patch_record import Patch
 
 __all__ = ["EXPERT_BIAS_ADD", "install"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 
-from . import Patch
+from .patch_record import Patch
 
 __all__ = ["ROPE_CP_GROUP", "rope_cp_group"]
 
