@@ -136,7 +136,7 @@ def test_the_steps_call_sites_hand_nccl_device_tensors(nccl):
     broadcast), the log-prob buffer's DP sum, the metrics' sum, the stop flag."""
     from mcore_packing.app.stop_request import StopRequest
     from mcore_packing.megatron.process_groups import verify_plan_across_ranks
-    from mcore_packing.megatron.schedule import _broadcast_from_last_stage, _step_loss
+    from mcore_packing.megatron.step_result import broadcast_from_last_stage, step_loss
     from mcore_packing.planning import StepPlanConfig, plan_step
     from mcore_packing.rl.metrics import sum_over_ranks
     from mcore_packing.thd.loss_weights import StepTotals
@@ -148,8 +148,8 @@ def test_the_steps_call_sites_hand_nccl_device_tensors(nccl):
     plan = plan_step([5, 9, 3], StepPlanConfig(train_mb_tokens=16))
     _run(verify_plan_across_ranks, plan, object())
     _run(StepTotals.all_reduce, 3, 2, 0, object())
-    _run(_step_loss, [{"weighted_loss": torch.ones(1)}], Groups(), torch.device("cpu"))
-    _run(_broadcast_from_last_stage, torch.zeros(2, 3), Groups())  # compute_logprobs' result
+    _run(step_loss, [{"weighted_loss": torch.ones(1)}], Groups(), torch.device("cpu"))
+    _run(broadcast_from_last_stage, torch.zeros(2, 3), Groups())  # compute_logprobs' result
     _run(sum_over_ranks, [1.0, 2.0])  # the RL metrics
     _run(StopRequest(path="/nonexistent/stop").requested, world_size=2, rank=0)
     assert len(nccl) == 6 and all(devices == {"meta"} for _, devices in nccl), nccl

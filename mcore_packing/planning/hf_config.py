@@ -5,7 +5,8 @@ Families: Llama (2, 3.x with Llama-3 RoPE scaling), Mistral (without sliding win
 Mixture-of-Experts families Qwen3-MoE (``Qwen3MoeForCausalLM``), Mixtral, Qwen2-MoE (a shared expert
 with a sigmoid gate) and GPT-OSS (YaRN RoPE, sliding-window layers, attention sinks, biases on every
 linear, the router and the experts, clamped SwiGLU); DeepSeek-V3 is refused naming the field we cannot
-reproduce. YaRN RoPE (``rope_type: yarn``) converts for every family. Both config layouts
+reproduce. YaRN RoPE (``rope_type: yarn``) is read for every family (one path, tested through GPT-OSS).
+Both config layouts
 are read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``). Options that the
 Megatron model cannot reproduce exactly are refused with an error that names the field, instead of
 converting into a model that computes something else.
@@ -281,7 +282,7 @@ def _hf_moe_fields(shape: ModelShape) -> dict:
         return {}
     fields = {"num_experts_per_tok": shape.moe_router_topk}  # router_aux_loss_coef: the source's, in ``extra``
     if shape.family == "gpt_oss":
-        return {**fields, "num_local_experts": shape.num_experts, "router_aux_loss_coef": 0.0}
+        return {**fields, "num_local_experts": shape.num_experts}
     if shape.family == "mixtral":
         if shape.expert_size != shape.ffn_size or not shape.moe_router_topk_norm or shape.moe_dense_layers:
             raise ValueError("a Mixtral config has experts of intermediate_size in every layer, top-k renormalized.")
