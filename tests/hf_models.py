@@ -3,8 +3,9 @@
 Every parameter is drawn at random (norm weights around 1, biases around 0): with the library's default
 initialization all norm weights are 1 and biases 0, and a converter that swapped two norms or dropped a
 bias would still match. GPT-OSS's sinks and router bias are drawn at scale 1 (so a sink or a bias moves
-the result well past the tolerance), and its experts' gate/up weights at scale 1, so that about a third
-of the gate and up values pass the clamp at +-7 (the clamp is exercised, not idle).
+the result well past the tolerance), and the experts' stacked gate/up weights (``gate_up_proj``: GPT-OSS,
+and the MoE families as transformers 5 holds them in memory) at scale 1, so that about a third of
+GPT-OSS's gate and up values pass the clamp at +-7 (the clamp is exercised, not idle).
 """
 
 from __future__ import annotations
