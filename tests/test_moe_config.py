@@ -171,6 +171,34 @@ def test_gpt_oss_is_what_its_config_says_and_runs_at_tp1():
         hf_config_from_shape(ModelShape(**{**qwen.to_dict(), "attention_sinks": True}))  # export would drop them
 
 
+def test_gpt_oss_keys_are_checked_and_the_command_exits_2_before_megatron(tmp_path, capsys):
+    """The shape keys GPT-OSS added, and from the command line (a dry run: nothing of Megatron starts) a
+    GPT-OSS checkpoint at TP2 without ``parallel.etp=1`` and an ``etp`` that is neither 1 nor tp."""
+    from mcore_packing.app.train_command import main
+
+    from .hf_models import make_chat_model
+
+    with pytest.raises(ValueError, match=r"model\.yarn_factor and model\.rope_scaling_factor are both set"):
+        ModelShape(yarn_factor=4.0, rope_scaling_factor=8.0)
+    with pytest.raises(ValueError, match=r"model\.window_layers holds \[5\]; layers are 0 to 1"):
+        ModelShape(window_size=8, window_layers=[5])
+    with pytest.raises(ValueError, match=r"model\.window_layers is set but model\.window_size is not"):
+        ModelShape(window_layers=[0])
+    with pytest.raises(ValueError, match=r"model\.swiglu_limit clamps a gated MLP: set model\.gated_mlp=true"):
+        ModelShape(swiglu_limit=7.0)
+    with pytest.raises(ValueError, match=r"model\.window_size"):
+        ModelShape(window_size=0)
+    assert ModelShape(window_size=8, window_layers=[1]).window_per_layer() == [False, True]  # control
+    folder = make_chat_model(tmp_path / "gpt_oss", family="gpt_oss")
+    tp2 = [f"model.hf_path={folder}", "parallel.tp=2", "parallel.sequence_parallel=true", "cluster.gpus_per_node=2",
+           f"run_dir={tmp_path / 'run'}"]  # fmt: skip
+    assert main(["--dry-run", *tp2]) == 2
+    assert "parallel.tp=2: this model's experts have biases (GPT-OSS)" in capsys.readouterr().err
+    assert main(["--dry-run", *tp2, "parallel.etp=3"]) == 2
+    assert "parallel.etp=3: expert tensor parallelism is 1 (whole experts) or tp=2" in capsys.readouterr().err
+    assert main(["--dry-run", *tp2, "parallel.etp=1"]) == 0  # control: whole experts
+
+
 def test_moe_shape_settings_are_checked():
     base = dict(num_layers=2, gated_mlp=True, linear_bias=False, num_experts=4)
     with pytest.raises(ValueError, match=r"moe_router_topk=5 must be between 1 and model\.num_experts=4"):

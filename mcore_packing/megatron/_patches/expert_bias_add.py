@@ -12,8 +12,8 @@ so the in-place add acts on a tensor of its own (the same values; one copy of th
 Second, at tp > 1 with sequence parallelism that bias is marked ``sequence_parallel``, so
 ``finalize_model_grads`` sums its gradient over the TP ranks; but with whole experts (expert TP 1) the
 TP ranks are expert-data-parallel ranks, whose sum DDP has already taken: the gradient came out doubled
-(measured: the gradient norm of a tiny GPT-OSS at TP2 was 1.60 against 1.32 at one rank; Adam hid it in
-the losses). `install` clears the mark on those biases.
+(Adam hides it from the losses; `tests/test_hf_conversion.py::test_gpt_oss_at_tp2_with_whole_experts`
+checks it against transformers' gradient). `install` clears the mark on those biases.
 """
 
 from __future__ import annotations
