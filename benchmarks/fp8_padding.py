@@ -1,8 +1,9 @@
-"""FP8 alignment per row vs per sequence: the padded tokens each costs on the README's CHAMP workload.
+"""FP8 alignment per row vs per sequence: the padded tokens each costs on the CHAMP workload of
+docs/guides/planning-and-balance.md.
 
 The 19,440 CHAMP conversations in Llama-3 tokens, global batches of 128, ``train_mb_tokens=8192``, planned
 exactly as training plans them (`planning.plan_step`, packing mode) on 8 data-parallel ranks, for each
-FP8 recipe's alignment (`planning.FP8_ROW_ALIGNMENT`) and two layouts: the README's TP4 with sequence
+FP8 recipe's alignment (`planning.FP8_ROW_ALIGNMENT`) and two layouts: the guide's TP4 with sequence
 parallelism, and CP2 x TP2 with sequence parallelism. Three rules, in one run:
 
 - ``none``: no FP8 alignment (the layout's padding only);

@@ -1,7 +1,7 @@
 """Versions before the GPU check, and its summary after (``benchmarks/gpu_check.sh`` calls both).
 
     python benchmarks/gpu_summary.py --versions        # one JSON document: python, torch, CUDA, GPU, ...
-    python benchmarks/gpu_summary.py RESULTS_DIR       # summary.json + a Markdown table for the README
+    python benchmarks/gpu_summary.py RESULTS_DIR       # summary.json + a Markdown table for benchmarks/README.md
 
 The summary reads what the check left in RESULTS_DIR: each step's status, the JUnit XML of the test
 steps (passed / failed / skipped, with the failures' first lines), ``sync_debug.json`` (the syncs CUDA's

@@ -1,6 +1,6 @@
 """Plans that minimise step time: rank balance, pipeline order and planning speed, in one run.
 
-1. The README workload (19,440 CHAMP conversations, 8 DP ranks, global batches of 512,
+1. The planning guide's workload (19,440 CHAMP conversations, 8 DP ranks, global batches of 512,
    ``train_mb_tokens=16384``, Llama-3-8B costs) with each balance: slowest rank / mean attention-aware
    cost (mean over steps and worst), micro-batches, rows below half full.
 2. PP=4, about 8 micro-batches per rank, CHAMP and lognormal lengths: simulated 1F1B step time over its

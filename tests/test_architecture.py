@@ -275,32 +275,3 @@ def test_negative_control_a_long_function_is_flagged():
     source = "def f():\n    '''doc'''\n" + "    x = 1\n" * 61
     assert long_functions(source, "x.py") == ["x.py:f (61 lines)"]
     assert long_functions("def g():\n" + "    x = 1\n" * 60, "x.py") == []
-
-
-def readme_imports() -> list[str]:
-    """Every ``from mcore_packing... import ...`` statement in the README's Python examples."""
-    text = (ROOT / "README.md").read_text()
-    blocks = [b.split("```", 1)[0] for b in text.split("```python")[1:]]
-    # Line by line: the examples abbreviate calls with "...", so they are not all valid Python.
-    return [line.strip() for block in blocks for line in block.splitlines() if line.startswith("from mcore_packing")]
-
-
-def test_every_name_the_readme_imports_exists():
-    statements = readme_imports()
-    layers = {s.split()[1].split(".")[1] for s in statements}
-    assert layers >= {"packing", "planning", "thd", "megatron", "app"}, statements
-    for statement in statements:
-        exec(statement, {})
-
-
-def _framework_example_imports(text: str) -> list[str]:
-    block = text.split("**From your own framework**", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    return [line for line in block.splitlines() if line.startswith("from mcore_packing")]
-
-
-def test_the_framework_example_uses_only_the_library_layers():
-    imports = _framework_example_imports((ROOT / "README.md").read_text())
-    assert {line.split()[1] for line in imports} >= {"mcore_packing.rl", "mcore_packing.megatron"}, imports
-    assert not [line for line in imports if line.split()[1].startswith("mcore_packing.app")], imports
-    control = "**From your own framework**\n```python\nfrom mcore_packing.app.model_setup import setup_training\n```"
-    assert _framework_example_imports(control) == ["from mcore_packing.app.model_setup import setup_training"]

@@ -131,7 +131,7 @@ def test_minibatches_keep_groups_whole():
 @pytest.mark.slow
 def test_grpo_example_reward_rises(tmp_path):
     """The CPU example (`python -m mcore_packing grpo`), 25 steps: the mean reward of the last five steps is
-    well above that of the first five (the full 60-step curve is in the README)."""
+    well above that of the first five (the full 60-step curve is in docs/guides/rl.md)."""
     records = run_distributed(
         "tests.rl_workers:grpo_example_worker", 1, root=str(tmp_path), steps=25, warmup_steps=10, timeout=600
     )[0]

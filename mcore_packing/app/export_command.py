@@ -26,7 +26,7 @@ import argparse
 import sys
 from pathlib import Path
 
-__all__ = ["export_checkpoint", "main"]
+__all__ = ["build_parser", "export_checkpoint", "main"]
 
 
 def _step_folder(path: Path) -> Path:
@@ -79,7 +79,7 @@ def export_checkpoint(checkpoint: str | Path, out: str | Path, *, dtype: str | N
     return save_hf_folder(hf, shape, out, source=manifest["hf_path"], dtype=dtype, overwrite=overwrite, head=head)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore_packing export", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -88,7 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default=None, choices=["bfloat16", "float16", "float32"],
                         help="the stored tensors' dtype (default: the run's training dtype, model.dtype)")  # fmt: skip
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     from .trainer import quiet_megatron_on_cpu
 
     quiet_megatron_on_cpu()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["VOCAB", "encode_prompt", "main", "reward", "run_grpo"]
+__all__ = ["VOCAB", "build_parser", "encode_prompt", "main", "reward", "run_grpo"]
 
 DIGITS = "0123456789"
 PLUS, EQUALS, END = 10, 11, 12
@@ -172,7 +172,7 @@ def _plot(records: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore_packing grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -192,6 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--run-dir", default="outputs/local/grpo")
     parser.add_argument("--plot", help="write the reward curve to this PNG")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("steps", "warmup_steps", "prompts"):
         if getattr(args, name) < 1:

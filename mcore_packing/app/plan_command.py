@@ -57,7 +57,7 @@ from ..planning.shared_prefix import SharedPrefix
 from .config import ConfigError, TrainConfig, budget_key, check_shape_on_layout, plan_config, validate_layout
 from .recipes import RECIPES
 
-__all__ = ["DEFAULT_SHAPE", "PlanInputError", "load_lengths", "main"]
+__all__ = ["DEFAULT_SHAPE", "PlanInputError", "build_parser", "load_lengths", "main"]
 
 
 def recipe_shape(name: str) -> ModelShape:

@@ -40,14 +40,14 @@ from ..data.store import FORMAT, KINDS, MANIFEST, IndexedWriter, file_digest, st
 from .config import DataConfig
 from .prepare_records import encode_chunk, init_worker
 
-__all__ = ["main", "prepare"]
+__all__ = ["build_parser", "main", "prepare"]
 
 _FLAGS = {"limit": "--max-sample-tokens", "truncate": "pass --long-samples truncate", "learn": "pass --learn-prompt",
           "targets": "pass --samples-without-targets drop"}
 """How the shared data checks name this command's settings (`data.sft.check_outcome`)."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     defaults = DataConfig()
     p = argparse.ArgumentParser(prog="python -m mcore_packing prepare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -72,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         manifest = prepare(
             args.input, args.out, kind=args.kind, hf_path=args.hf_path, split=args.split, text_field=args.text_field,

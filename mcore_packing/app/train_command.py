@@ -38,7 +38,7 @@ import sys
 from .config import ConfigError, TrainConfig, check_override_keys, register_configs, to_train_config
 from .recipes import RECIPES
 
-__all__ = ["compose_config", "main"]
+__all__ = ["build_parser", "compose_config", "main"]
 
 CONFIG_DIR = str(importlib.resources.files("mcore_packing.hydra_configs"))
 
@@ -87,7 +87,7 @@ def _hydra_reason(exc: BaseException) -> str:
     return "; ".join(line for line in lines if not line.startswith("To append"))
 
 
-def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m mcore_packing train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -95,7 +95,11 @@ def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--num-nodes", type=int, default=None, help="with --recipe: nodes the recipe plans for")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="with --recipe: GPUs per node")
     parser.add_argument("--dry-run", action="store_true", help="validate and print the first step's plan; no training")
-    return parser.parse_known_args(argv)
+    return parser
+
+
+def _parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    return build_parser().parse_known_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
