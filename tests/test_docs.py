@@ -6,7 +6,10 @@ command (`python -m mcore_packing ...`, `torchrun ...`, `python benchmarks/...`,
 parser that would run them, in this process and without running them:
 
 - ``train``: its argparse flags, then the real Hydra composition of the defaults or the ``--recipe`` with
-  the overrides (unknown keys, bad values and wrong config groups fail as they fail the user);
+  the overrides (unknown keys, bad values and wrong config groups fail as they fail the user); a command
+  that stands alone (one process, every path it reads in the checkout, no ``resume=true``) is also
+  dry-run, as ``--dry-run`` would: its data loaded and checked, its first step planned (a recipe on 1,500
+  of CHAMP's conversations; `test_recipes.py` dry-runs every recipe);
 - ``plan``: its flags, and the same composition of the flags' keys with the overrides;
 - ``prepare``, ``export``, ``grpo``: their argparse parsers; ``launch`` and ``torchrun``: torchrun's own
   parser, then the command or script they start;
@@ -85,18 +88,35 @@ def _argparse(parser: argparse.ArgumentParser, argv: list[str], known: bool = Fa
         raise AssertionError(f"{parser.prog} {' '.join(argv)}: {err.getvalue().strip()}") from exc
 
 
-def check_mcore_command(argv: list[str]) -> None:
-    """``python -m mcore_packing <argv>`` parses and (train, plan) its config composes."""
+def _runs_here(overrides: list[str]) -> bool:
+    """Whether the command stands alone: it continues no earlier run (``resume=true``) and every path it
+    reads exists in the checkout (else it shows a user's placeholder or an earlier command's output)."""
+    pairs = [o.split("=", 1) for o in overrides if "=" in o]
+    if ["resume", "true"] in pairs:
+        return False
+    return all((ROOT / value).exists() for key, value in pairs if "/" in value and key != "run_dir")
+
+
+def check_mcore_command(argv: list[str], one_process: bool = False) -> None:
+    """``python -m mcore_packing <argv>`` parses and (train, plan) its config composes; a ``train`` command
+    run as one process whose paths all exist here is dry-run too (its data loaded and its first step planned,
+    as the user's run would before it starts)."""
     from mcore_packing.__main__ import COMMANDS
     from mcore_packing.app import export_command, grpo_command, plan_command, prepare_command, train_command
+    from mcore_packing.app.trainer import dry_run
 
     assert argv and argv[0] in COMMANDS, f"unknown command {argv[:1]}"
     name, rest = argv[0], [a for a in argv[1:] if a != "..."]
     if name == "train":
         args, overrides = _argparse(train_command.build_parser(), rest, known=True)
         train_command._check_flags(args)
-        train_command.compose_config(args.recipe, overrides, num_nodes=args.num_nodes,
-                                     gpus_per_node=args.gpus_per_node)  # fmt: skip
+        sizes = {"num_nodes": args.num_nodes, "gpus_per_node": args.gpus_per_node}
+        cfg = train_command.compose_config(args.recipe, overrides, **sizes)
+        if one_process and _runs_here(overrides):
+            if args.recipe is not None and not any(o.startswith("data.") for o in overrides):
+                # a recipe's data is all of CHAMP: 1,500 of its conversations plan the same first step's layout
+                cfg = train_command.compose_config(args.recipe, [*overrides, "data.num_samples=1500"], **sizes)
+            dry_run(cfg)
     elif name == "plan":
         args, overrides = _argparse(plan_command.build_parser(), rest, known=True)
         assert not [o for o in overrides if o.startswith("-")], f"plan: unknown flags in {overrides}"
@@ -140,7 +160,7 @@ def check_command(command: str) -> None:
     head, rest = argv[0], argv[1:]
     if head in ("python", "python3", ".venv/bin/python"):
         if rest[:2] == ["-m", MCORE]:
-            check_mcore_command(rest[2:])
+            check_mcore_command(rest[2:], one_process=True)
         else:
             check_script(rest[0], rest[1:])
     elif head == "mcore-packing":
@@ -156,7 +176,7 @@ def check_command(command: str) -> None:
         assert (ROOT / script).is_file(), f"{script} does not exist"
         args = rest[1:] if head == "bash" else rest
         if script == "scripts/run.sh":
-            check_mcore_command(["train", *args])
+            check_mcore_command(["train", *args], one_process=True)
         else:
             source = (ROOT / script).read_text()
             assert all(a in source for a in args), f"{script} does not take {args}"
@@ -176,7 +196,8 @@ def _guide_commands() -> list[tuple[str, str]]:
             for line, command in commands(path.read_text())]  # fmt: skip
 
 
-def test_every_command_in_the_guides_parses():
+def test_every_command_in_the_guides_parses(monkeypatch):
+    monkeypatch.chdir(ROOT)  # the guides' commands run from the repository root
     cases = _guide_commands()
     assert len(cases) > 60, len(cases)  # the README's and every guide's commands were found
     failures = []
@@ -188,8 +209,11 @@ def test_every_command_in_the_guides_parses():
     assert not failures, "\n".join(failures)
 
 
-def test_negative_controls_a_broken_command_is_caught():
+def test_negative_controls_a_broken_command_is_caught(monkeypatch):
+    monkeypatch.chdir(ROOT)
     bad = [
+        # parses, but its dry run finds 12 samples for a global batch of 32
+        "python -m mcore_packing train data.source=jsonl data.path=examples/chat.jsonl data.text_field=messages",
         "python -m mcore_packing train sequence_packing.train_mb_tokns=4096",  # a misspelled key
         "python -m mcore_packing train data=jsonll",  # no such config group option
         "python -m mcore_packing train --recipe llama4_sft",  # no such recipe
