@@ -26,8 +26,8 @@ import dataclasses
 import numpy as np
 from _report import run_config, write_results
 
-from mcore_packing.app.config import plan_config
 from mcore_packing.app.recipes import qwen2_7b_grpo_cp
+from mcore_packing.app.run_settings import plan_config
 from mcore_packing.planning import CostModel, plan_step
 
 

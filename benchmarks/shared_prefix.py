@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from mcore_packing.app.config import plan_config
     from mcore_packing.app.model_setup import build_model, default_device, device_context, setup_training
+    from mcore_packing.app.run_settings import plan_config
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.losses import ClippedPGConfig
     from mcore_packing.losses.rollouts import rollouts_shared_prefix

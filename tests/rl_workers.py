@@ -37,8 +37,8 @@ def rl_step_worker(rank: int, world_size: int, *, root: str, kl: float, minibatc
                    steps: int = 2, loss_settings: dict | None = None, temperature: float = 1.0):  # fmt: skip
     """``steps`` GRPO steps on the rollouts of the first ``groups`` groups, from the seeded initial policy
     (``loss_settings``: more `ClippedPGConfig` keys; ``temperature``: the rollouts' sampling temperature)."""
-    from mcore_packing.app.config import plan_config
     from mcore_packing.app.model_setup import build_model, default_device, device_context, setup_training
+    from mcore_packing.app.run_settings import plan_config
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.losses import ClippedPGConfig
     from mcore_packing.rl import GRPOConfig, rl_step

@@ -116,8 +116,8 @@ def rm_train_worker(rank: int, world_size: int, *, root: str, train_rows: list[d
                     steps: int, batch_pairs: int, eval_every: int) -> list[dict]:  # fmt: skip
     """``steps`` reward-model steps on ``batch_pairs`` training pairs each (in order, cycling), the held-out
     pairs scored before the first and after every ``eval_every`` steps."""
-    from mcore_packing.app.config import plan_config
     from mcore_packing.app.model_setup import default_device, device_context
+    from mcore_packing.app.run_settings import plan_config
     from mcore_packing.rl import pair_rewards, rm_step
 
     train, held_out = pair_samples(train_rows), pair_samples(eval_rows)

@@ -256,8 +256,8 @@ def test_memory_budget_prints_stage_peaks_and_the_largest_budget_that_fits(tmp_p
     64 tokens more is over it); a budget the longest sequence alone exceeds exits 2 naming it and the fix."""
     import dataclasses
 
-    from mcore_packing.app.config import plan_config
     from mcore_packing.app.memory_settings import memory_settings
+    from mcore_packing.app.run_settings import plan_config
     from mcore_packing.app.train_command import compose_config
     from mcore_packing.planning import ParallelLayout, plan_step
     from mcore_packing.planning.memory_budget import plan_memory

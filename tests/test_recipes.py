@@ -7,8 +7,9 @@ import dataclasses
 
 import pytest
 
-from mcore_packing.app.config import TrainConfig, plan_config, validate_layout
+from mcore_packing.app.config import TrainConfig
 from mcore_packing.app.recipes import RECIPES, apply_packing, llama3_8b_sft_packed
+from mcore_packing.app.run_settings import plan_config, validate_layout
 from mcore_packing.app.train_command import main
 from mcore_packing.planning import ParallelLayout
 

@@ -7,29 +7,27 @@ own torch-free dataclasses (`planning.sections`, `rl.config`, `losses.ClippedPGC
 generated from `planning.ModelShape`, so each key is declared once. The same dataclasses are registered in
 Hydra's ConfigStore (schemas); the YAML files hold the defaults list and only what differs.
 
-Each group checks its own keys in ``__post_init__`` (`ConfigError` naming ``group.key`` and the fix);
-`validate_layout` checks what spans groups or needs the world size; `plan_config` is the one
-translation from this config to the planner's `StepPlanConfig` (through `StepPlanConfig.from_sections`,
-the same path NeMo-RL configs take). Hydra accepts ``+new.key=...`` on structured configs without a
-word, so `check_unknown_keys` rejects keys that no dataclass declares.
+Each group checks its own keys in ``__post_init__`` (`ConfigError` naming ``group.key`` and the fix).
+What spans groups or needs the world size, and the one translation to the planner's `StepPlanConfig`, are
+`app.run_settings` (`validate_layout`, `plan_config`); Hydra's side (the ConfigStore, the overrides' keys,
+DictConfig -> `TrainConfig`) is `app.hydra_schema`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..data.sft import LONG_SAMPLE_POLICIES, SFT_SOURCES, WITHOUT_TARGETS
 from ..losses import ClippedPGConfig
-from ..planning import BALANCES, CostModel, ModelShape, ParallelLayout, StepPlanConfig, fp8_row_alignment
+from ..planning import BALANCES, ModelShape, ParallelLayout, fp8_row_alignment
 from ..planning.hf_config import read_hf_config, shape_from_hf_config
 from ..planning.model_shape import MOE_TRAINING_FIELDS
 from ..planning.sections import DynamicBatchingConfig, SequencePackingConfig
 from ..rl.config import DPOConfig, GRPOConfig, RMConfig
 from ..validators import InvalidValue, require_choice, require_positive_int
 from .algorithms.registry import ALGORITHMS
-from .memory_settings import memory_model
 from .run_names import default_run_dir
 from .stop_request import DEFAULT_STOP_SIGNALS, check_stop_signals
 
@@ -53,12 +51,6 @@ __all__ = [
     "SequencePackingConfig",
     "TrainConfig",
     "TrainingConfig",
-    "check_data_fits",
-    "check_unknown_keys",
-    "plan_config",
-    "register_configs",
-    "to_train_config",
-    "validate_layout",
 ]
 
 
@@ -436,197 +428,3 @@ GROUPS = {
     "dpo": DPOConfig,
     "rm": RMConfig,
 }
-
-
-def validate_layout(cfg: TrainConfig, world_size: int) -> ParallelLayout:
-    """Checks that span groups or need the world size (and the algorithm's config checks); returns the
-    run's layout."""
-    from .algorithms.registry import get_algorithm
-
-    par = cfg.parallel
-    layout = par.layout(world_size)
-    get_algorithm(cfg.algorithm).check_config(cfg)
-    if par.pp > 1 and cfg.dynamic_batching.enabled and not par.variable_seq_lengths:
-        raise ConfigError(
-            "dynamic_batching with parallel.pp > 1 needs parallel.variable_seq_lengths=true: its micro-batches "
-            "have different shapes."
-        )
-    _check_dynamic_cp(cfg, layout)
-    cfg.optimizer.decay_iters(cfg.optimizer_steps)  # the LR decay must end after the warmup
-    return layout
-
-
-def _check_dynamic_cp(cfg: TrainConfig, layout: ParallelLayout) -> None:
-    """``context_parallel.dynamic``: packed or dynamic-batching rows, a power-of-two cp of at least 2, pp=1,
-    no fixed shapes."""
-    if not cfg.context_parallel.dynamic:
-        return
-    from ..planning.layout import check_dynamic_cp_layout
-
-    key = "context_parallel.dynamic"
-    if layout.cp == 1:
-        raise ConfigError(f"{key}=true picks a CP size per sequence up to parallel.cp, which is 1; set parallel.cp "
-                          "to 2 or more (a power of two).", key=key)  # fmt: skip
-    try:
-        check_dynamic_cp_layout(layout, key=key, cp_key="parallel.cp", pp_key="parallel.pp")
-    except ValueError as exc:
-        raise ConfigError(str(exc), key=key) from None
-    if not (cfg.sequence_packing.enabled or cfg.dynamic_batching.enabled):
-        raise ConfigError(
-            f"{key}=true runs packed THD rows (sequence_packing.enabled=true) or dynamic batching's BSHD rows "
-            "(dynamic_batching.enabled=true) on CP sub-groups; with neither, every micro-batch is padded to one "
-            "shape. Enable one of them, or use static CP.", key=key,
-        )  # fmt: skip
-    for name in ("fixed_shape", "cost_budget"):
-        if getattr(cfg.sequence_packing, name):
-            raise ConfigError(
-                f"sequence_packing.{name} does not apply with {key}=true (rows are sized per CP size and scheduled "
-                f"by cost); unset sequence_packing.{name}, or use static CP.", key=f"sequence_packing.{name}",
-            )  # fmt: skip
-
-
-def check_shape_on_layout(shape: ModelShape, layout: ParallelLayout) -> None:
-    """The model's heads split over TP, its experts over EP and its layers over PP x VPP (a `ConfigError`
-    naming the parallel key)."""
-    try:
-        layout.check_heads(shape.num_attention_heads, shape.kv_heads)
-    except ValueError as exc:
-        raise ConfigError(str(exc), key="parallel.tp") from None
-    try:
-        layout.check_experts(shape.num_experts, biased=shape.is_moe and shape.linear_bias)
-    except ValueError as exc:
-        raise ConfigError(str(exc), key="parallel.ep") from None
-    try:
-        layout.check_layers(shape.num_layers)
-    except ValueError as exc:
-        raise ConfigError(str(exc).replace("pp x vpp", "parallel.pp x parallel.vpp"), key="parallel.vpp") from None
-
-
-def plan_config(cfg: TrainConfig, layout: ParallelLayout, vocab_size: int | None = None) -> StepPlanConfig:
-    """The step planner's config for this run on ``layout`` (the one config -> plan translation). Without
-    packing or dynamic batching, ``padded`` mode sized to hold ``padded_micro_batch_rows`` of the longest
-    samples."""
-    par, training = cfg.parallel, cfg.training
-    rows = training.padded_micro_batch_rows
-    padded = {
-        "train_mb_tokens": max(cfg.sequence_packing.train_mb_tokens, cfg.data.max_sample_tokens * rows),
-        "padded_rows": rows,
-    }
-    shape = cfg.model.shape(vocab_size or cfg.data.vocab_size)
-    packing, batching = asdict(cfg.sequence_packing), asdict(cfg.dynamic_batching)
-    dynamic_cp = cfg.context_parallel.dynamic
-    if dynamic_cp and cfg.context_parallel.max_tokens_per_rank is not None:  # both passes' budget per rank
-        for section in (packing, batching):
-            section.update(train_mb_tokens=cfg.context_parallel.max_tokens_per_rank,
-                           logprob_mb_tokens=cfg.context_parallel.max_tokens_per_rank)  # fmt: skip
-    try:
-        return StepPlanConfig.from_sections(
-            sequence_packing=packing,
-            dynamic_batching=batching,
-            padded=padded,
-            sequence_length_divisible_by=par.make_sequence_length_divisible_by,
-            balance=training.balance,
-            cost_model=CostModel.from_shape(shape),
-            layout=layout,
-            fixed_length=False if par.variable_seq_lengths else None,
-            fp8_alignment=fp8_row_alignment(cfg.model.fp8_recipe),
-            dynamic_cp=dynamic_cp,
-            memory_model=memory_model(cfg, shape, layout),
-        )
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-_MODE_SECTIONS = {"packing": "sequence_packing", "dynamic": "dynamic_batching"}
-
-
-def budget_key(plan: StepPlanConfig, *, forward_only: bool = False, cfg: TrainConfig | None = None) -> str | None:
-    """The config key of the budget that applies (``sequence_packing.logprob_mb_tokens``, ...; with
-    ``cfg``'s dynamic CP and its ``max_tokens_per_rank``, that key); None in padded mode, which has no
-    section."""
-    if cfg is not None and cfg.context_parallel.dynamic and cfg.context_parallel.max_tokens_per_rank is not None:
-        return "context_parallel.max_tokens_per_rank"
-    section = _MODE_SECTIONS.get(plan.mode)
-    return f"{section}.{plan.budget(forward_only)[0]}" if section else None
-
-
-def check_data_fits(cfg: TrainConfig, plan: StepPlanConfig, lengths) -> None:
-    """The budget must hold the longest (padded) sample of the data set: say so before training starts."""
-    key = budget_key(plan, cfg=cfg)
-    # padded rows: SFT samples are cut to data.max_sample_tokens, rollouts not
-    key, fix = (key, "lower data.max_sample_tokens") if key else ("data.max_sample_tokens", "drop them")
-    try:
-        plan.check_fits(lengths, key=key, fix=fix)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-
-
-def register_configs() -> None:
-    """Register the schemas in Hydra's ConfigStore (``<group>/schema`` and ``train_schema``)."""
-    from hydra.core.config_store import ConfigStore
-
-    cs = ConfigStore.instance()
-    cs.store(name="train_schema", node=TrainConfig)
-    for group, cls in GROUPS.items():
-        cs.store(group=group, name="schema", node=cls)
-
-
-def check_override_keys(overrides: list[str]) -> None:
-    """Before Hydra sees them: every ``group.key=value`` override names a key of its group's dataclass (and
-    every ``key=value`` a group or a top-level key), else a `ConfigError` with the closest valid name
-    (Hydra's own message suggests the '+' prefix, which adds a key nothing reads)."""
-    import difflib
-
-    top = {f.name for f in dataclasses.fields(TrainConfig)} | {"hydra"}
-    for override in overrides:
-        key = override.split("=", 1)[0]
-        if "=" not in override or key.startswith(("+", "~", "hydra.", "hydra/")):
-            continue  # '+' keys: check_unknown_keys refuses them after composition
-        group, _, name = key.partition(".")
-        if group not in top:
-            options, wrong = sorted(top - {"hydra"}), group
-        elif name and group in GROUPS and name.split(".")[0] not in {f.name for f in dataclasses.fields(GROUPS[group])}:
-            options, wrong = sorted(f"{group}.{f.name}" for f in dataclasses.fields(GROUPS[group])), key
-        else:
-            continue
-        close = difflib.get_close_matches(wrong, options, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(f"Unknown config key {key!r} in override {override!r}.{hint} Valid keys: {options}.", key=key)
-
-
-def check_unknown_keys(cfg: Any, schema: type = TrainConfig, prefix: str = "") -> None:
-    """Raise `ConfigError` for any key of ``cfg`` (a DictConfig or dict) that ``schema`` does not declare."""
-    from omegaconf import DictConfig, OmegaConf
-
-    mapping = OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else cfg
-    known = {f.name: f for f in dataclasses.fields(schema)}
-    for key, value in mapping.items():
-        if key == "hydra":
-            continue
-        name = f"{prefix}{key}"
-        if key not in known:
-            raise ConfigError(
-                f"Unknown config key {name!r}. Valid keys here: {sorted(known)}. Check the spelling; Hydra's '+' "
-                "prefix adds keys that nothing reads."
-            )
-        sub = GROUPS.get(key) if not prefix else None
-        if sub is not None and isinstance(value, dict):
-            check_unknown_keys(value, sub, f"{name}.")
-
-
-def to_train_config(cfg: Any) -> TrainConfig:
-    """A validated `TrainConfig` from a DictConfig/dict: unknown keys and bad values raise `ConfigError`."""
-    from omegaconf import DictConfig, OmegaConf
-
-    check_unknown_keys(cfg)
-    mapping = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    mapping.pop("hydra", None)
-    parts = {}
-    for key in [k for k in mapping if k in GROUPS]:
-        try:
-            parts[key] = GROUPS[key](**mapping.pop(key))
-        except ConfigError:
-            raise
-        except InvalidValue as exc:  # a group defined below app (loss_fn, grpo, ...) names its keys without it
-            raise ConfigError(f"{key}.{exc}", key=f"{key}.{exc.key}") from None
-    return TrainConfig(**parts, **mapping)

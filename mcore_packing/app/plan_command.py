@@ -54,8 +54,9 @@ from ..planning import (
 from ..planning.memory import format_bytes
 from ..planning.report import summarize_dynamic_cp
 from ..planning.shared_prefix import SharedPrefix
-from .config import ConfigError, TrainConfig, budget_key, check_shape_on_layout, plan_config, validate_layout
+from .config import ConfigError, TrainConfig
 from .recipes import RECIPES
+from .run_settings import budget_key, check_shape_on_layout, plan_config, validate_layout
 
 __all__ = ["DEFAULT_SHAPE", "PlanInputError", "build_parser", "load_lengths", "main"]
 

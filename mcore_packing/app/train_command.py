@@ -35,7 +35,8 @@ import logging
 import os
 import sys
 
-from .config import ConfigError, TrainConfig, check_override_keys, register_configs, to_train_config
+from .config import ConfigError, TrainConfig
+from .hydra_schema import check_override_keys, register_configs, to_train_config
 from .recipes import RECIPES
 
 __all__ = ["build_parser", "compose_config", "main"]

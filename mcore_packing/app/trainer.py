@@ -1,8 +1,8 @@
 """The training loop, wired from parts with one job each.
 
     algorithm = algorithms.get_algorithm(cfg.algorithm)  sft | grpo | dpo: data, units, the step
-    layout    = config.validate_layout(cfg, world)       the run's ParallelLayout (world size checked)
-    plan cfg  = config.plan_config(cfg, layout)          the one config -> planner translation
+    layout    = run_settings.validate_layout(cfg, world) the run's ParallelLayout (world size checked)
+    plan cfg  = run_settings.plan_config(cfg, layout)    the one config -> planner translation
     data      = algorithm.load_data(cfg)                 samples + the units a step draws (`RunData`)
     setup     = model_setup.setup_training(cfg, shape)   distributed, policy, Megatron optimizer + LR schedule
     resume    = checkpoint.resume_folder(cfg)            newest complete checkpoint (resume=true|auto)
@@ -40,20 +40,12 @@ from .checkpoint import (
     read_manifest,
     resume_folder,
 )
-from .config import (
-    ConfigError,
-    ModelConfig,
-    TrainConfig,
-    budget_key,
-    check_data_fits,
-    check_shape_on_layout,
-    plan_config,
-    validate_layout,
-)
+from .config import ConfigError, ModelConfig, TrainConfig
 from .global_batches import GlobalBatchSampler
 from .metrics import MetricsLogger
 from .model_setup import default_device, device_context, setup_training
 from .run_folder import RunFolder
+from .run_settings import budget_key, check_data_fits, check_shape_on_layout, plan_config, validate_layout
 from .stop_request import STOP_REPORT_ENV, StopRequest
 
 __all__ = ["RunInputs", "describe_schedule", "dry_run", "prepare_run", "quiet_megatron_on_cpu", "train"]

@@ -3,7 +3,7 @@
 Each module (`sft`, `grpo`, `dpo`, `rm`) has (and optionally ``HEAD``, the model's last layer: "lm" or
 "reward", `megatron.build_policy`):
 
-    check_config(cfg)                     config-only checks (`config.validate_layout` runs them, before data)
+    check_config(cfg)                     config-only checks (`run_settings.validate_layout` runs them, before data)
     missing_data(cfg) -> str | None       why a dry run cannot plan a first step (None: it can)
     load_data(cfg) -> RunData             the samples, the units a step draws, the vocabulary, a description
     check_data(cfg, data, step_config)    checks that need the data and the planner (before Megatron starts)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from ...data.preference import load_preference_data, pair_ids
 from ...losses.rollouts import group_members
-from ..config import ConfigError, budget_key
+from ..config import ConfigError
+from ..run_settings import budget_key
 from . import RunData, StoreSamples, open_prepared, step_metrics
 
 

@@ -20,7 +20,8 @@ from ...losses.rollouts import (
     rollout_samples,
     rollouts_shared_prefix,
 )
-from ..config import ConfigError, budget_key
+from ..config import ConfigError
+from ..run_settings import budget_key
 from . import RunData, StoreSamples, open_prepared, step_metrics
 
 
