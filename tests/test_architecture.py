@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -275,3 +276,28 @@ def test_negative_control_a_long_function_is_flagged():
     source = "def f():\n    '''doc'''\n" + "    x = 1\n" * 61
     assert long_functions(source, "x.py") == ["x.py:f (61 lines)"]
     assert long_functions("def g():\n" + "    x = 1\n" * 60, "x.py") == []
+
+
+def undocumented_modules(text: str) -> list[str]:
+    """Modules of the package that docs/architecture.md does not name: neither the dotted path
+    (``planning.step_plan``) nor, inside its package's row, the module's name in backticks or before
+    its description (``cpu_device`` (...))."""
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        if parts[-1] == "__init__":
+            continue
+        dotted, name = ".".join(parts), parts[-1]
+        if not re.search(rf"\b{re.escape(dotted)}\b", text) and f"`{name}`" not in text and f"{name} (" not in text:
+            missing.append(dotted)
+    return missing
+
+
+def test_every_module_is_named_in_the_architecture_notes():
+    assert undocumented_modules((ROOT / "docs" / "architecture.md").read_text()) == []
+
+
+def test_negative_control_an_unnamed_module_is_flagged():
+    text = (ROOT / "docs" / "architecture.md").read_text().replace("planning.step_plan", "planning.STEP_PLAN")
+    text = text.replace("`step_plan`", "`STEP_PLAN`").replace("step_plan (", "STEP_PLAN (")
+    assert undocumented_modules(text) == ["planning.step_plan"]
