@@ -2,8 +2,9 @@
 read and peak memory per rank (Mixture-of-Experts families also at expert parallelism; their TP runs use
 sequence parallelism, which Megatron's MoE layer needs under TP; GPT-OSS's TP runs keep every expert whole,
 ``etp=1``, and it also runs at CP2 x EP2). The models come from tests/hf_models.py (random weights, every
-parameter perturbed); the comparison is the one tests/test_hf_conversion.py asserts. Last, GPT-OSS's
-negative controls: the model without each of its parts (window, sinks, YaRN, clamp, interleaved gate/up).
+parameter perturbed); the comparison is the one tests/test_hf_conversion.py asserts. Last, the negative
+controls: GPT-OSS without each of its parts (window, sinks, YaRN, clamp, interleaved gate/up), Mistral
+without its sliding window (4 tokens on every layer).
 
     python benchmarks/hf_import_report.py          # about a minute on 2 CPU cores
 """
@@ -28,7 +29,7 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1)]
 """(TP, PP, EP) of the dense families."""
 MOE_LAYOUTS = [(1, 1, 1), (1, 1, 2), (2, 1, 1), (1, 2, 1), (2, 1, 2)]
 MOE = {"qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"}
-NEGATIVES = ["no_window", "no_sinks", "no_yarn", "no_clamp", "gate_up_halves"]
+NEGATIVES = {"gpt_oss": ["no_window", "no_sinks", "no_yarn", "no_clamp", "gate_up_halves"], "mistral": ["no_window"]}
 
 
 def main() -> int:
@@ -58,10 +59,10 @@ def main() -> int:
                     f"{max(r['peak_rss_mib'] for r in ranks):.0f} MiB",
                     flush=True,
                 )
-            if family == "gpt_oss":
+            if family in NEGATIVES:
                 (result,) = run_distributed("tests.hf_workers:variants_worker", 1, folder=str(folder),
-                                            sequences=SEQUENCES, patches=NEGATIVES)  # fmt: skip
-                for patch in NEGATIVES:
+                                            sequences=SEQUENCES, patches=NEGATIVES[family])  # fmt: skip
+                for patch in NEGATIVES[family]:
                     error = max(rel_err(a, b) for a, b in zip(result[patch], reference, strict=True))
                     rows.append({"family": family, "negative_control": patch, "alone": error})
                     print(f"{family:<11} negative control {patch:<15} logits alone {error:.1e}", flush=True)

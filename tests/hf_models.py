@@ -45,7 +45,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", dict(rope_theta=1000000.0)),  # q/k/v biases
     "qwen3": ("Qwen3Config", dict(head_dim=32, rope_theta=1000000.0)),  # q/k norms; head_dim != hidden/heads
     "llama_tied": ("LlamaConfig", dict(tie_word_embeddings=True)),
-    "mistral": ("MistralConfig", dict(sliding_window=None)),
+    "mistral": ("MistralConfig", dict(sliding_window=4)),  # every layer sees 4 tokens (the test sequences: up to 25)
     # Mixture-of-Experts: 4 experts, top-2; Qwen3-MoE with a dense second layer, Qwen2-MoE with its gated
     # shared expert and softmax-then-top-k (no renormalization).
     "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=32, rope_theta=1000000.0, num_experts=4, num_experts_per_tok=2,

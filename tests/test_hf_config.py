@@ -100,7 +100,8 @@ def _with(config, **changes):
         (_with(LLAMA3_V4, hidden_act="gelu"), "hidden_act='gelu'"),
         (_with(LLAMA3_V4, mlp_bias=True), "mlp_bias=True"),
         (_with(LLAMA3_V4, attention_bias=True), "attention_bias=True"),
-        ({**QWEN3_V5, "model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096"),
+        ({**QWEN3_V5, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True},
+         "use_sliding_window=True"),
         ({**QWEN3_V5, "num_key_value_heads": 5}, "not a multiple of num_query_groups=5"),
     ],
 )
@@ -108,6 +109,21 @@ def test_what_would_not_convert_exactly_is_refused(config, fragment):
     with pytest.raises(ValueError) as err:
         shape_from_hf_config(config)
     assert fragment in str(err.value), str(err.value)
+
+
+def test_mistrals_window_is_every_layers_and_writes_back():
+    """Mistral's ``sliding_window`` (Hugging Face applies it on every layer) is the shape's window on every
+    layer, and export writes it back; a window on some layers only has no Mistral counterpart."""
+    import dataclasses
+
+    shape = shape_from_hf_config({**QWEN3_V5, "model_type": "mistral", "sliding_window": 4096})
+    assert (shape.window_size, shape.window_layers) == (4096, ())
+    assert all(shape.window_per_layer())
+    assert hf_config_from_shape(shape)["sliding_window"] == 4096
+    assert shape_from_hf_config({**QWEN3_V5, "model_type": "mistral", "sliding_window": None}).window_size is None
+    assert shape_from_hf_config({**QWEN3_V5, "model_type": "qwen2", "sliding_window": 4096}).window_size is None
+    with pytest.raises(ValueError, match=r"model\.window_layers=\(0,\)"):
+        hf_config_from_shape(dataclasses.replace(shape, window_layers=(0,)))
 
 
 def test_gpt_family_has_no_hf_config():

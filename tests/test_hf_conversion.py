@@ -29,9 +29,9 @@ MOE_LAYOUTS = [("qwen3_moe", 1, 2, 1), ("qwen3_moe", 2, 1, 1), ("mixtral", 1, 2,
                ("qwen3_moe", 2, 1, 2), ("gpt_oss", 1, 2, 2)]  # fmt: skip
 """(family, tp, ep, pp) of the MoE imports (TP runs with sequence parallelism)."""
 DENSE_LAYOUTS = [("qwen3", 2, 1), ("qwen3", 1, 2), ("llama_tied", 2, 1), ("llama_tied", 1, 2), ("qwen2", 2, 1),
-                 ("qwen2", 1, 2)]  # fmt: skip
+                 ("qwen2", 1, 2), ("mistral", 2, 1)]  # fmt: skip
 ROUND_TRIPS = [("qwen2", 2, 2), ("llama_tied", 2, 2), ("qwen3", 1, 1), ("qwen3_moe", 1, 2), ("mixtral", 1, 1),
-               ("gpt_oss", 2, 1)]  # fmt: skip
+               ("gpt_oss", 2, 1), ("mistral", 1, 1)]  # fmt: skip
 SFT_EXPORTS = ["llama3", "qwen3", "qwen3_moe", "qwen2_moe", "gpt_oss"]
 
 
@@ -57,6 +57,7 @@ def _cases(folders: dict, broken: dict) -> dict:
     add(("gpt_oss_tp2",), 2, "logits", "gpt_oss", sequences=SEQUENCES, tp=2, sp=True, etp=1, bias_grads=True)
     add(("gpt_oss_cp2",), 2, "logits", "gpt_oss", sequences=SEQUENCES, cp=2, ep=2)
     add(("gpt_oss_parts",), 1, "variants", "gpt_oss", sequences=SEQUENCES, patches=GPT_OSS_PARTS)
+    add(("mistral_no_window",), 1, "variants", "mistral", sequences=SEQUENCES, patches=["no_window"])
     for family in ("qwen3_moe", "qwen2_moe"):  # renormalized top-k, and softmax over all experts
         add(("flip_topk_norm", family), 1, "variants", family, sequences=SEQUENCES, patches=["flip_topk_norm"])
     add(("swap_gate_up",), 1, "logits", "llama3", sequences=SEQUENCES, patch="swap_gate_up")
@@ -196,6 +197,13 @@ def test_negative_control_gpt_oss_without_each_of_its_parts_is_caught(checkpoint
     reference = checkpoints[1]["gpt_oss"]
     errors = {p: max(rel_err(a, b) for a, b in zip(result[p], reference, strict=True)) for p in GPT_OSS_PARTS}
     assert all(e > 100 * RTOL for e in errors.values()), errors
+
+
+@pytest.mark.multirank
+def test_negative_control_mistral_without_its_window_is_caught(checkpoints, spawns):
+    """Mistral's sliding window (4 tokens on every layer, sequences of up to 25) left out: far off."""
+    result = spawns(("mistral_no_window",))[0]["no_window"]
+    assert max(rel_err(a, b) for a, b in zip(result, checkpoints[1]["mistral"], strict=True)) > 100 * RTOL
 
 
 @pytest.mark.multirank

@@ -82,7 +82,7 @@ def test_what_each_family_routes_like():
         ("GptOssConfig", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "mscale": 0.7,
                                               "original_max_position_embeddings": 64}}, "rope mscale=0.7"),
         ("MixtralConfig", {"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
-        ("MixtralConfig", {"sliding_window": 4096}, "sliding_window=4096 is not supported"),
+        ("Qwen2MoeConfig", {"sliding_window": 4096, "use_sliding_window": True}, "use_sliding_window=True is not"),
     ],
 )
 def test_families_that_do_not_convert_exactly_are_refused_naming_the_field(config_class, extra, fragment):

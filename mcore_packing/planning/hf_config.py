@@ -1,15 +1,14 @@
 """Hugging Face ``config.json`` <-> `ModelShape`, for the decoder families we convert (plain JSON, no torch).
 
-Families: Llama (2, 3.x with Llama-3 RoPE scaling), Mistral (without sliding windows), Qwen2/Qwen2.5
-(biases on q/k/v), Qwen3 (RMSNorm of each query and key head, explicit ``head_dim``), and the
-Mixture-of-Experts families Qwen3-MoE (``Qwen3MoeForCausalLM``), Mixtral, Qwen2-MoE (a shared expert
-with a sigmoid gate) and GPT-OSS (YaRN RoPE, sliding-window layers, attention sinks, biases on every
-linear, the router and the experts, clamped SwiGLU); DeepSeek-V3 is refused naming the field we cannot
-reproduce. YaRN RoPE (``rope_type: yarn``) is read for every family (one path, tested through GPT-OSS).
-Both config layouts
-are read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5 (``rope_parameters``). Options that the
-Megatron model cannot reproduce exactly are refused with an error that names the field, instead of
-converting into a model that computes something else.
+Families: Llama (2, 3.x with Llama-3 RoPE scaling), Mistral (its sliding window on every layer),
+Qwen2/Qwen2.5 (biases on q/k/v), Qwen3 (RMSNorm of each query and key head, explicit ``head_dim``), and the
+Mixture-of-Experts families Qwen3-MoE (``Qwen3MoeForCausalLM``), Mixtral (its window as Mistral's),
+Qwen2-MoE (a shared expert with a sigmoid gate) and GPT-OSS (YaRN RoPE, sliding-window layers, attention
+sinks, biases on every linear, the router and the experts, clamped SwiGLU); DeepSeek-V3 is refused naming
+the field we cannot reproduce. YaRN RoPE (``rope_type: yarn``) is read for every family (one path, tested
+through GPT-OSS). Both config layouts are read: transformers 4 (``rope_theta``, ``rope_scaling``) and 5
+(``rope_parameters``). Options that the Megatron model cannot reproduce exactly are refused with an error
+that names the field, instead of converting into a model that computes something else.
 
     shape = shape_from_hf_config(json.load(open("Llama-3.2-1B/config.json")))
     config = hf_config_from_shape(shape, dtype="bfloat16")      # what export writes
@@ -63,6 +62,7 @@ _LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_
 _MOE_TYPES = ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss")
 _GPT_OSS_ALPHA = 1.702  # the sigmoid's slope in GPT-OSS's gate: Megatron's quick_gelu fixes it
 _WINDOW_KINDS = {"sliding_attention": True, "full_attention": False}  # HF layer_types
+_EVERY_LAYER_WINDOW = ("mistral", "mixtral")  # families whose sliding_window is on every layer
 
 
 def read_hf_config(folder: str | Path) -> dict:
@@ -136,10 +136,10 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         raise _refuse("mlp_bias", True, "Megatron's linear_bias would also add an attention output bias.")
     if config.get("attention_bias") and not family.qkv_bias:
         raise _refuse("attention_bias", True, f"{model_type} would also need an o_proj bias.")
-    window = config.get("sliding_window")
-    if window is not None and (model_type in ("mistral", "mixtral") or config.get("use_sliding_window")):
-        raise _refuse("sliding_window", window, f"{model_type}'s sliding window does not convert yet (GPT-OSS's "
-                      "does); use a checkpoint without it.")  # fmt: skip
+    if config.get("sliding_window") is not None and config.get("use_sliding_window"):
+        raise _refuse("use_sliding_window", True, f"{model_type}'s window on the layers from max_window_layers "
+                      "on does not convert yet (Mistral's, Mixtral's and GPT-OSS's do); use a checkpoint without "
+                      "it.")  # fmt: skip
     hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
     head_dim = config.get("head_dim")
     layers = int(config["num_hidden_layers"])
@@ -161,8 +161,15 @@ def shape_from_hf_config(config: dict) -> ModelShape:
         family=model_type,
         **_rope(config),
         **_moe_fields(config, model_type, layers),
-        **(_gpt_oss_fields(config, layers) if model_type == "gpt_oss" else {"linear_bias": False}),
+        **(_gpt_oss_fields(config, layers) if model_type == "gpt_oss" else _window_fields(config, model_type)),
     )
+
+
+def _window_fields(config: dict, model_type: str) -> dict:
+    """Mistral's and Mixtral's ``sliding_window``, which Hugging Face applies on every layer (a query sees
+    itself and the W - 1 tokens before it); no biases (GPT-OSS's own fields are `_gpt_oss_fields`)."""
+    window = config.get("sliding_window") if model_type in _EVERY_LAYER_WINDOW else None
+    return {"linear_bias": False, **({} if window is None else {"window_size": int(window)})}
 
 
 def _gpt_oss_fields(config: dict, layers: int) -> dict:
@@ -240,8 +247,8 @@ def hf_config_from_shape(shape: ModelShape, *, dtype: str = "bfloat16", extra: d
     )
     if shape.family in ("llama", "qwen3", "qwen3_moe"):
         config["attention_bias"] = shape.qkv_bias
-    if shape.family in ("mistral", "mixtral"):
-        config["sliding_window"] = None
+    if shape.family in _EVERY_LAYER_WINDOW:
+        config["sliding_window"] = shape.window_size
     config.update(_hf_moe_fields(shape))
     if shape.family == "gpt_oss":
         kinds = ["sliding_attention" if w else "full_attention" for w in shape.window_per_layer()]
@@ -269,7 +276,8 @@ def _check_family_parts(shape: ModelShape) -> None:
         wrong = [k for k, v in gpt_oss.items() if getattr(shape, k) != v]
         wrong += [] if shape.swiglu_limit else ["swiglu_limit"]
     else:
-        wrong = [k for k in ("linear_bias", "attention_sinks", "swiglu_limit", "window_size") if getattr(shape, k)]
+        window = ("window_layers",) if shape.family in _EVERY_LAYER_WINDOW else ("window_size",)
+        wrong = [k for k in ("linear_bias", "attention_sinks", "swiglu_limit", *window) if getattr(shape, k)]
     if wrong:
         raise ValueError(f"model.family={shape.family} with model.{wrong[0]}={getattr(shape, wrong[0])!r}: the "
                          f"Hugging Face {HF_FAMILIES[shape.family].architecture} does not have that part; "
