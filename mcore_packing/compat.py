@@ -69,15 +69,29 @@ def varlen_attn_available() -> bool:
     return torch.cuda.is_available()
 
 
+@functools.lru_cache(maxsize=1)
+def varlen_attn_takes_window() -> bool:
+    """True when torch's ``varlen_attn`` runs here and takes ``window_size`` (a sliding window in the kernel)."""
+    import inspect
+
+    if not varlen_attn_available():
+        return False
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "window_size" in inspect.signature(varlen_attn).parameters
+
+
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, causal: bool = True, fn=None,
-                     cu_seqlens_k=None, max_seqlen_k: int | None = None):  # fmt: skip
+                     cu_seqlens_k=None, max_seqlen_k: int | None = None, left: int = -1):  # fmt: skip
     """Variable-length attention over ``[T, H, D]`` tensors through whichever ``varlen_attn`` torch has.
     ``cu_seqlens_k`` / ``max_seqlen_k``: keys laid out with their own offsets (a shared-prefix row), the
     causal mask then aligned bottom-right in each span (FlashAttention's since 2.1); default the queries'.
 
     Newer releases take ``window_size=(-1, 0)`` for causal masking, ``scale`` and ``enable_gqa``; older
     ones take ``is_causal`` and neither of the others, so the default scale is checked against ``scale``
-    and grouped K/V heads are repeated to the query heads. ``fn`` replaces torch's function (tests).
+    and grouped K/V heads are repeated to the query heads. ``left`` >= 0: a causal sliding window, each query
+    seeing itself and the ``left`` keys before it (``window_size=(left, 0)``; newer releases only). ``fn``
+    replaces torch's function (tests).
     """
     import inspect
     import math
@@ -87,7 +101,11 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, *, scale: float, caus
     params = inspect.signature(fn).parameters
     kwargs = {}
     if "window_size" in params:
-        kwargs["window_size"] = (-1, 0) if causal else (-1, -1)
+        kwargs["window_size"] = (left, 0) if causal else (-1, -1)
+    elif left >= 0:
+        raise RuntimeError(f"this torch's varlen_attn has no window_size, so no sliding window (left={left}); the "
+                           "attention takes its explicit path instead (PackedCoreAttention checks "
+                           "varlen_attn_takes_window).")  # fmt: skip
     else:
         kwargs["is_causal"] = causal
     if "scale" in params:

@@ -47,6 +47,35 @@ def test_varlen_backend_matches_sdpa_per_sequence_in_bf16():
         assert err < BF16_RTOL, float(err)
 
 
+def test_a_window_without_sinks_runs_in_the_varlen_kernel_and_matches_the_cpu_in_fp32():
+    """Mistral's window (every layer, no sinks) on CUDA in bf16: FlashAttention's own ``window_size=(left, 0)``
+    in the one varlen call, against the same module's explicit windowed path on the CPU in fp32."""
+    import dataclasses
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from mcore_packing.megatron import to_packed_seq_params
+    from mcore_packing.megatron.attention import PackedCoreAttention
+
+    from .megatron_workers import tiny_attention_config
+
+    if not compat.varlen_attn_takes_window():
+        pytest.skip("this torch build's varlen_attn takes no window_size (or there is no varlen_attn)")
+    config = dataclasses.replace(tiny_attention_config(), window_size=(127, 0))
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in (1500, 1, 77, 300)], PaddingRule())
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(batch.total_tokens, 4, 64, generator=g) for _ in range(3))
+    cpu = PackedCoreAttention(config, 1, AttnMaskType.causal)
+    want = cpu(q, k, v, None, packed_seq_params=to_packed_seq_params(batch))
+    gpu = PackedCoreAttention(config, 1, AttnMaskType.causal, backend="varlen").cuda()
+    cuda = [t.cuda().to(torch.bfloat16) for t in (q, k, v)]
+    assert gpu._use_varlen(cuda[0])
+    got = gpu(*cuda, None, packed_seq_params=to_packed_seq_params(batch, device="cuda")).float().cpu()
+    for start, n in zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False):
+        part = slice(start, start + n)
+        assert ((got[part] - want[part]).abs().max() / want[part].abs().max()) < BF16_RTOL
+
+
 def test_windows_and_sinks_on_the_gpu_in_bf16_match_the_cpu_in_fp32():
     """The explicit path of windowed, sink-carrying layers (GPT-OSS's attention) on CUDA in bf16, with
     sequences longer than its 1024-query blocks, against the same module on the CPU in fp32."""

@@ -120,14 +120,18 @@ def test_newer_releases_index_the_whole_row_on_every_cp_rank(cp):
     assert wrong.seq_idx.tolist() != [expected]
 
 
-def naive_causal_attention(q, k, v):
-    """q/k/v [L, H, D] -> [L, H, D], written out with an explicit softmax."""
+def naive_causal_attention(q, k, v, left: int | None = None):
+    """q/k/v [L, H, D] -> [L, H, D], written out with an explicit softmax; ``left``: a sliding window (query
+    i sees keys i - left .. i)."""
     if k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
     n = q.shape[0]
-    scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    hidden = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+    if left is not None:
+        hidden |= torch.tril(torch.ones(n, n, dtype=torch.bool), -left - 1)
+    scores = scores.masked_fill(hidden, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
@@ -203,16 +207,22 @@ def test_cp_round_trips_and_bshd_cp_attention(cp):
     assert report["bshd_attention_err"] < 1e-5 and report["bshd_grad_err"] < 1e-5, report
 
 
-def _varlen_semantics(q, k, v, cu, causal, scale):
+def _varlen_semantics(q, k, v, cu, causal, scale, left=-1):
     """What torch documents varlen_attn to compute, written with per-sequence SDPA on CPU: a stand-in for
-    the CUDA-only kernel, so the version shim's argument mapping can be checked here."""
+    the CUDA-only kernel, so the version shim's argument mapping can be checked here. ``left`` >= 0: the
+    causal window ``window_size=(left, 0)`` (query i sees keys i - left .. i)."""
     out = torch.empty_like(q)
     bounds = cu.tolist()
     for a, b in itertools.pairwise(bounds):
         qs, ks, vs = (t[a:b].transpose(0, 1) for t in (q, k, v))
         if ks.shape[0] != qs.shape[0]:
             ks, vs = (t.repeat_interleave(qs.shape[0] // t.shape[0], dim=0) for t in (ks, vs))
-        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=scale)
+        mask = None
+        if left >= 0:
+            i, j = torch.arange(b - a)[:, None], torch.arange(b - a)[None]
+            mask = (j <= i) & (j >= i - left)
+        o = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal and mask is None,
+                                                             attn_mask=mask, scale=scale)  # fmt: skip
         out[a:b] = o.transpose(0, 1)
     return out
 
@@ -220,7 +230,8 @@ def _varlen_semantics(q, k, v, cu, causal, scale):
 def _new_varlen_api(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
                     enable_gqa=False):  # fmt: skip
     assert enable_gqa or k.shape[1] == q.shape[1]
-    return _varlen_semantics(q, k, v, cu_q, window_size == (-1, 0), scale)
+    causal = window_size[1] == 0
+    return _varlen_semantics(q, k, v, cu_q, causal, scale, left=window_size[0] if causal else -1)
 
 
 def _old_varlen_api(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
@@ -245,6 +256,57 @@ def test_varlen_shim_calls_either_torch_signature_like_sdpa_per_sequence(api):
     if api is _old_varlen_api:
         with pytest.raises(RuntimeError, match="has no scale argument"):
             compat.varlen_attention(q, k, v, cu, 9, scale=0.5, fn=api)
+
+
+def test_varlen_shim_passes_a_sliding_window_and_old_torch_refuses_it():
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in (9, 1, 5)], PaddingRule())
+    cu = batch.cu_seqlens_padded
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(batch.total_tokens, 2, 8, generator=g) for _ in range(3))
+    got = compat.varlen_attention(q, k, v, cu, 9, scale=8**-0.5, fn=_new_varlen_api, left=2)
+    for a, n in zip(cu.tolist(), batch.seq_lengths, strict=False):
+        want = naive_causal_attention(q[a : a + n], k[a : a + n], v[a : a + n], left=2)
+        torch.testing.assert_close(got[a : a + n], want, rtol=1e-5, atol=1e-6)
+    full = compat.varlen_attention(q, k, v, cu, 9, scale=8**-0.5, fn=_new_varlen_api)  # control: no window
+    assert (full[:9] - got[:9]).abs().max() > 1e-3
+    with pytest.raises(RuntimeError, match="has no window_size"):
+        compat.varlen_attention(q, k, v, cu, 9, scale=8**-0.5, fn=_old_varlen_api, left=2)
+
+
+def test_a_windowed_layer_without_sinks_takes_the_varlen_kernels_window(monkeypatch):
+    """`PackedCoreAttention`'s GPU path for a windowed layer (Mistral's): one varlen call with
+    ``window_size=(left, 0)``, the kernel replaced by the CPU stand-in; equal to the CPU path (the explicit
+    windowed softmax per sequence). Sink layers never take the varlen call, nor windows on a torch whose
+    varlen_attn has no window_size."""
+    from functools import partial
+
+    from megatron.core.transformer.enums import AttnMaskType
+
+    import mcore_packing.megatron.attention as attention
+    from mcore_packing.megatron import to_packed_seq_params
+
+    config = dataclasses.replace(tiny_attention_config(), window_size=(3, 0))
+    batch = build_packed_batch([SequenceSample(list(range(n))) for n in (13, 1, 6, 9)], PaddingRule())
+    params = to_packed_seq_params(batch)
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(batch.total_tokens, 4, 16, generator=g) for _ in range(3))
+    attn = PackedCoreAttention(config, 1, AttnMaskType.causal)
+    want = attn(q, k, v, None, packed_seq_params=params)
+    monkeypatch.setattr(attention, "varlen_attention", partial(compat.varlen_attention, fn=_new_varlen_api))
+    monkeypatch.setattr(PackedCoreAttention, "_use_varlen", lambda self, query: True)
+    got = attn(q, k, v, None, packed_seq_params=params)
+    for a, n in zip(batch.cu_seqlens_padded.tolist(), batch.seq_lengths, strict=False):
+        torch.testing.assert_close(got[a : a + n], want[a : a + n], rtol=1e-5, atol=1e-6)
+    attn.window = None  # control: the same call without the window
+    assert (attn(q, k, v, None, packed_seq_params=params)[:13] - want[:13]).abs().max() > 1e-3
+    monkeypatch.undo()
+    monkeypatch.setattr(attention, "varlen_attn_takes_window", lambda: False)
+    windowed = PackedCoreAttention(config, 1, AttnMaskType.causal, backend="varlen")
+    assert not windowed._use_varlen(q)  # no window in this torch's kernel: the explicit path, no error
+    sinks = PackedCoreAttention(dataclasses.replace(config, softmax_type="learnable"), 1, AttnMaskType.causal,
+                                backend="varlen")  # fmt: skip
+    monkeypatch.setattr(attention, "varlen_attn_takes_window", lambda: True)
+    assert not sinks._use_varlen(q)
 
 
 @pytest.mark.multirank

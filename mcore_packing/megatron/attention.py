@@ -13,14 +13,15 @@ Backends, picked per call:
   the micro-batch), and each local chunk attends to the keys up to its end, causal aligned bottom-right:
   two attention calls per sequence, no mask built, no host sync.
 
-Sliding windows and attention sinks (GPT-OSS): a layer Megatron's config gives a window
-(``window_size=(left, 0)``, per layer by ``window_attn_skip_freq``) lets a query at position ``i`` of its
+Sliding windows and attention sinks (GPT-OSS's; Mistral's and Mixtral's windows): a layer Megatron's config
+gives a window (``window_size=(left, 0)``, per layer by ``window_attn_skip_freq``) lets a query at ``i`` of its
 sequence see keys ``i - left .. i`` of that sequence only: the positions are the sequence's own, so a window
 never reaches across a packed boundary, and under CP (bottom-right alignment over the gathered keys) it
 is applied to the sequence's global positions. ``softmax_type="learnable"`` gives every head a learned
 sink logit (``softmax_offset``, Megatron's name and TP split) added to the softmax's denominator;
-"off-by-one" a sink of 0. Those layers run an explicit softmax per sequence (queries in blocks, keys cut to
-the window), on CPU and GPU alike: FlashAttention's varlen call has no sink.
+"off-by-one" a sink of 0. Sink layers, and windowed layers on the CPU or under CP, run an explicit softmax
+per sequence (queries in blocks, keys cut to the window): FlashAttention's varlen call has no sink. A window
+without sinks on a GPU is the varlen call's own ``window_size=(left, 0)`` (torch releases that take it).
 
 With TransformerEngine installed, `get_packed_gpt_layer_spec` uses TE's attention instead of this module.
 Only causal self-attention (GPT) is supported; dropout uses torch's RNG (no TP RNG tracker fork).
@@ -34,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from ..compat import require_megatron, varlen_attention, varlen_attn_available
+from ..compat import require_megatron, varlen_attention, varlen_attn_available, varlen_attn_takes_window
 from ..thd.context_parallel import all_gather_cat, bshd_inverse_order
 from .packed_seq import ThdLayout, cp_inverse_index, thd_layout
 from .shared_prefix import SharedPrefixAttention, shared_prefix_of
@@ -207,8 +208,10 @@ class PackedCoreAttention(MegatronModule):
         return group
 
     def _use_varlen(self, query: torch.Tensor) -> bool:
-        if self.backend == "sdpa" or self.window is not None or self.softmax_offset is not None:
-            return False  # FlashAttention's varlen call has no sink; windows take the explicit path with them
+        if self.backend == "sdpa" or self.softmax_offset is not None:
+            return False  # FlashAttention's varlen call has no sink: sink layers take the explicit path
+        if self.window is not None and not varlen_attn_takes_window():
+            return False  # a torch whose varlen_attn has no window_size
         if self.backend == "varlen":
             if not varlen_attn_available():
                 raise RuntimeError("backend='varlen' needs torch.nn.attention.varlen.varlen_attn and a CUDA device.")
@@ -252,7 +255,7 @@ class PackedCoreAttention(MegatronModule):
             if cu.device != q.device or cu.dtype != torch.int32:
                 cu = cu.to(device=q.device, dtype=torch.int32)
             return varlen_attention(q, keys, values, cu, max(layout.padded_lengths), scale=self._scale(q.shape[-1]),
-                                    cu_seqlens_k=plan.cu_keys, max_seqlen_k=plan.max_keys)  # fmt: skip
+                                    cu_seqlens_k=plan.cu_keys, max_seqlen_k=plan.max_keys, left=self._left)  # fmt: skip
         out = torch.zeros_like(q)
         for j, (start, n) in enumerate(zip(layout.padded_starts, layout.real_lengths, strict=True)):
             if n == 0:
@@ -261,11 +264,17 @@ class PackedCoreAttention(MegatronModule):
             out[start : start + n] = self._sdpa(q[start : start + n], keys[first:through], values[first:through])
         return out
 
+    @property
+    def _left(self) -> int:
+        """The window's left extent for FlashAttention's ``window_size=(left, 0)``; -1 without a window."""
+        return -1 if self.window is None else self.window[0]
+
     def _thd_varlen(self, q, k, v, params, layout: ThdLayout) -> torch.Tensor:
         cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
         if cu.device != q.device or cu.dtype != torch.int32:  # params built elsewhere
             cu = cu.to(device=q.device, dtype=torch.int32)
-        return varlen_attention(q, k, v, cu, max(layout.padded_lengths), scale=self._scale(q.shape[-1]))
+        scale = self._scale(q.shape[-1])
+        return varlen_attention(q, k, v, cu, max(layout.padded_lengths), scale=scale, left=self._left)
 
     def _gather_kv(self, k, v, index: torch.Tensor, group=None) -> tuple[torch.Tensor, torch.Tensor]:
         """All-gather local K/V over CP (``group``, default this module's) and reorder to packed order with
