@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import assume, given, settings
@@ -55,6 +57,43 @@ def test_cost_model_hand_computed():
         ModelShape(num_layers=2, hidden_size=8, num_attention_heads=2, vocab_size=10, gated_mlp=True)
     )
     assert trained.quadratic == 3 * 2 * 2 * 8  # forward + backward = 3x forward
+
+
+def _attended_pairs(length: int, window: int | None) -> int:
+    """Brute force: the (query, key) pairs causal attention computes, each query seeing at most ``window``."""
+    return sum(min(i + 1, window or length) for i in range(length))
+
+
+@pytest.mark.parametrize("layers", [[0, 1, 2, 3], [0, 2], []])  # Mistral's every layer, GPT-OSS's every other
+def test_windowed_layers_price_the_pairs_they_attend(layers):
+    """The windowed layers' share of the attention term counts what they compute (at most W keys a query):
+    the model's area per layer matches twice the brute-force pair count (the s^2 convention of full causal
+    attention, s(s + 1) / 2 pairs) within 1/W; without the window (the control) a 2,000-token sequence would
+    be priced at 16x its windowed layers' work."""
+    window = 64
+    shape = ModelShape(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100, window_size=window,
+                       window_layers=tuple(layers))  # fmt: skip
+    model = CostModel.from_shape(shape)
+    windowed = len(layers) or 4
+    assert (model.window, model.windowed_share) == (window, windowed / 4)
+    for length in (1, 40, 64, 65, 300, 2000):
+        per_layer = [2 * _attended_pairs(length, window if w else None) for w in shape.window_per_layer()]
+        want = sum(per_layer) / 4  # the mean layer, in units of `quadratic` (which counts every layer)
+        assert model.attention_area([length])[0] == pytest.approx(want, rel=1.0 / window + 1.0 / length)
+    full = CostModel.from_shape(dataclasses.replace(shape, window_size=None, window_layers=()))
+    assert full.attention_area([2000])[0] / model.attention_area([2000])[0] > (1.8 if len(layers) == 2 else 15)
+    assert model.sequence_cost([2000])[0] == pytest.approx(model.linear * 2000 + model.quadratic
+                                                           * model.attention_area([2000])[0])  # fmt: skip
+
+
+def test_a_calibration_with_the_window_recovers_a_windowed_models_coefficients():
+    truth = CostModel(linear=2.0, quadratic=0.01, unit="s", per_sequence=0.5, window=64, windowed_share=0.5)
+    steps = [[10, 300], [2000], [64, 64, 900], [1500, 20], [700]]
+    seconds = [float(truth.sequence_cost(s).sum()) for s in steps]
+    fit = CostModel.calibrate(steps, seconds, window=64, windowed_share=0.5)
+    assert (fit.linear, fit.quadratic, fit.per_sequence) == pytest.approx((2.0, 0.01, 0.5), rel=1e-6)
+    blind = CostModel.calibrate(steps, seconds)  # control: s^2 cannot fit these times
+    assert blind.quadratic != pytest.approx(0.01, rel=0.05)
 
 
 def test_attention_share_grows_with_length_like_published_figures():

@@ -9,6 +9,11 @@ and vocabulary ``V``, one sequence of ``s`` tokens costs, in forward FLOPs (a mu
                    experts a token is routed to: k*3*h*f_e + h*E (router) [+ 3*h*f_s + h (shared expert, gate)]
     attention(s) = 2 * L * n_q*d * s^2      (QK^T and AV: 2 * 2 * s^2 * n_q*d per layer, halved by the causal mask)
 
+A layer with a sliding window of ``W`` tokens (Mistral's every layer, GPT-OSS's every other one) lets a
+query see at most ``W`` keys, so its attention grows linearly past ``W``: ``s^2`` becomes
+``2*W*s - W^2`` for ``s > W`` (the same area, counted the same way: sum_i min(i + 1, W), doubled). The
+model keeps that as the share of ``b`` that belongs to windowed layers (``windowed_share``) and ``window``.
+
 Training (forward + backward) is 3x forward. So ``cost(s) = a*s + b*s^2`` with ``a = 3*linear/s`` and
 ``b = 3*2*L*n_q*d``. With top-k routing the linear part counts k experts, not E: dropless routing sends
 every token to exactly k of them, so the work per token is the same for any batch (how evenly the
@@ -54,6 +59,8 @@ class CostModel:
     per_sequence: float = 0.0
     cp_exchange_per_token: float = 0.0
     cp_exchange_per_step: float = 0.0
+    window: int | None = None
+    windowed_share: float = 0.0
 
     @classmethod
     def from_shape(cls, shape: ModelShape, *, training: bool = True) -> CostModel:
@@ -64,12 +71,24 @@ class CostModel:
         linear = 2.0 * (shape.num_layers * attention + mlp) + 2.0 * h * shape.vocab_size
         quadratic = 2.0 * shape.num_layers * q
         factor = 3.0 if training else 1.0
-        return cls(linear=factor * linear, quadratic=quadratic * factor)
+        windowed = sum(shape.window_per_layer()) / shape.num_layers
+        return cls(linear=factor * linear, quadratic=quadratic * factor, window=shape.window_size if windowed else None,
+                   windowed_share=windowed)  # fmt: skip
+
+    def attention_area(self, lengths) -> np.ndarray:
+        """Each sequence's attention in units of ``quadratic``: ``s^2``, and on the windowed layers' share
+        ``2*W*s - W^2`` past the window."""
+        s = np.asarray(lengths, dtype=np.float64)
+        if self.window is None or not self.windowed_share:
+            return s * s
+        w = float(self.window)
+        windowed = np.where(s <= w, s * s, 2.0 * w * s - w * w)
+        return (1.0 - self.windowed_share) * s * s + self.windowed_share * windowed
 
     def sequence_cost(self, lengths, cp_size: int = 1) -> np.ndarray:
         """Cost of each sequence on one CP rank."""
         s = np.asarray(lengths, dtype=np.float64)
-        return (self.linear * s + self.quadratic * s * s) / cp_size + self.per_sequence
+        return (self.linear * s + self.quadratic * self.attention_area(s)) / cp_size + self.per_sequence
 
     def cp_exchange(self, row_tokens, cp_size: int):
         """Per-rank cost of a micro-batch's CP exchange: the ``(k - 1) / k`` of its row's tokens whose keys
@@ -96,15 +115,17 @@ class CostModel:
     def attention_share(self, lengths) -> float:
         """Fraction of the total cost that is attention's quadratic part."""
         s = np.asarray(lengths, dtype=np.float64)
-        quad = self.quadratic * float((s * s).sum())
+        quad = self.quadratic * float(self.attention_area(s).sum())
         return quad / (self.linear * float(s.sum()) + quad) if s.size else 0.0
 
     @classmethod
     def calibrate(
-        cls, steps: list[list[int]], seconds: list[float], microbatches: list[int] | None = None
-    ) -> CostModel:
+        cls, steps: list[list[int]], seconds: list[float], microbatches: list[int] | None = None, *,
+        window: int | None = None, windowed_share: float = 0.0,
+    ) -> CostModel:  # fmt: skip
         """Fit ``seconds ~ a * sum(s) + b * sum(s^2) + d * sequences [+ c * micro-batches]`` over measured
-        steps (each a list of lengths, and with ``microbatches`` how many micro-batches ran them).
+        steps (each a list of lengths, and with ``microbatches`` how many micro-batches ran them); with a
+        ``window`` on ``windowed_share`` of the layers (`from_shape`'s), ``s^2`` is `attention_area`'s.
 
         Non-negative least squares, exact for these few coefficients: every subset of the columns is
         fitted and the best fit with no negative coefficient wins (noisy or narrow measurements can ask
@@ -112,7 +133,8 @@ class CostModel:
         """
         if len(steps) != len(seconds) or len(steps) < 2:
             raise ValueError("calibrate needs at least two measured steps, each with its lengths and its time.")
-        columns = [[sum(s) for s in steps], [sum(x * x for x in s) for s in steps], [len(s) for s in steps]]
+        area = cls(linear=0.0, quadratic=1.0, window=window, windowed_share=windowed_share).attention_area
+        columns = [[sum(s) for s in steps], [float(area(s).sum()) for s in steps], [len(s) for s in steps]]
         if microbatches is not None:
             if len(microbatches) != len(steps):
                 raise ValueError("calibrate needs one micro-batch count per measured step.")
@@ -125,6 +147,8 @@ class CostModel:
             unit="s",
             per_microbatch=overhead,
             per_sequence=float(coef[2]),
+            window=window,
+            windowed_share=windowed_share,
         )
 
 

@@ -116,7 +116,7 @@ def _padded_cost(lengths: np.ndarray, rows: int, model: CostModel, cp: int) -> t
     width = np.maximum.reduceat(lengths, starts).astype(np.float64)
     count = np.diff(np.append(starts, lengths.size)).astype(np.float64)
     tokens = int((width * count).sum())
-    cost = float((count * (model.linear * width + model.quadratic * width * width)).sum()) / cp
+    cost = float((count * (model.linear * width + model.quadratic * model.attention_area(width))).sum()) / cp
     return tokens, cost
 
 
