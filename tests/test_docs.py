@@ -154,9 +154,8 @@ def check_command(command: str) -> None:
     argv = shlex.split(command)
     while argv and re.match(r"^[A-Z_]+=", argv[0]):  # VAR=value prefixes
         argv = argv[1:]
-    if argv[:1] == ["timeout"]:
-        argv = argv[3:] if argv[1] == "-s" else argv[2:]
-        argv = argv[1:]
+    if argv[:1] == ["timeout"]:  # timeout [-s SIGNAL] DURATION COMMAND...
+        argv = argv[4:] if argv[1] == "-s" else argv[2:]
     head, rest = argv[0], argv[1:]
     if head in ("python", "python3", ".venv/bin/python"):
         if rest[:2] == ["-m", MCORE]:
@@ -228,6 +227,8 @@ def test_negative_controls_a_broken_command_is_caught(monkeypatch):
         with pytest.raises(Exception):  # noqa: B017 - each kind fails in its own way
             check_command(command)
     check_command("python -m mcore_packing train sequence_packing.train_mb_tokens=4096")  # the controls' control
+    check_command("timeout 40 python -m mcore_packing train training.steps=2")  # both forms of timeout's prefix
+    check_command("timeout -s TERM 40 python -m mcore_packing train training.steps=2")
 
 
 def test_commands_are_found_in_blocks_and_inline_code():
@@ -242,7 +243,7 @@ def github_slug(heading: str) -> str:
     return text.replace(" ", "-")
 
 
-def broken_links(path: Path) -> list[str]:
+def broken_links(path: Path, root: Path = ROOT) -> list[str]:
     text = _strip_fences(path.read_text())
     bad = []
     for match in re.finditer(r"!?\[[^\]]*\]\(([^)\s]+)\)", text):
@@ -251,7 +252,7 @@ def broken_links(path: Path) -> list[str]:
             continue  # http(s), mailto
         file, _, anchor = target.partition("#")
         resolved = (path.parent / file).resolve() if file else path
-        where = f"{path.relative_to(ROOT)}:{text[: match.start()].count(chr(10)) + 1}"
+        where = f"{path.relative_to(root)}:{text[: match.start()].count(chr(10)) + 1}"
         if not resolved.exists():
             bad.append(f"{where}: {target} (no such file)")
         elif anchor and resolved.suffix == ".md":
@@ -269,13 +270,8 @@ def test_every_relative_link_resolves():
 
 def test_negative_control_a_broken_link_is_caught(tmp_path):
     (tmp_path / "a.md").write_text("# A title: here\n[ok](#a-title-here) [x](b.md) [y](#nope)\n```\n[z](c.md)\n```\n")
-    path = tmp_path / "a.md"
-    global ROOT
-    saved, ROOT = ROOT, tmp_path
-    try:
-        assert broken_links(path) == ["a.md:2: b.md (no such file)", "a.md:2: #nope (no heading #nope)"]
-    finally:
-        ROOT = saved
+    found = broken_links(tmp_path / "a.md", root=tmp_path)
+    assert found == ["a.md:2: b.md (no such file)", "a.md:2: #nope (no heading #nope)"]
     assert github_slug("GPU: gpu_check.sh (prepared, not yet run on a GPU)") == \
         "gpu-gpu_checksh-prepared-not-yet-run-on-a-gpu"  # fmt: skip
 

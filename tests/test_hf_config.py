@@ -102,6 +102,10 @@ def _with(config, **changes):
         (_with(LLAMA3_V4, attention_bias=True), "attention_bias=True"),
         ({**QWEN3_V5, "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": True},
          "use_sliding_window=True"),
+        ({**QWEN3_V5, "model_type": "mistral", "sliding_window": 2.5}, "sliding_window=2.5 is not supported"),
+        ({**QWEN3_V5, "model_type": "mistral", "sliding_window": 0}, "sliding_window=0 is not supported"),
+        ({**QWEN3_V5, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2,
+          "sliding_window": "4096"}, "sliding_window='4096' is not supported"),
         ({**QWEN3_V5, "num_key_value_heads": 5}, "not a multiple of num_query_groups=5"),
     ],
 )

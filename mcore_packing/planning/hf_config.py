@@ -165,11 +165,19 @@ def shape_from_hf_config(config: dict) -> ModelShape:
     )
 
 
+def _sliding_window(config: dict) -> int | None:
+    """``sliding_window``: the tokens a query sees, itself included (an integer >= 1), or None."""
+    window = config.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise _refuse("sliding_window", window, "a window is a whole number of tokens >= 1 (null: full attention).")
+    return window
+
+
 def _window_fields(config: dict, model_type: str) -> dict:
     """Mistral's and Mixtral's ``sliding_window``, which Hugging Face applies on every layer (a query sees
     itself and the W - 1 tokens before it); no biases (GPT-OSS's own fields are `_gpt_oss_fields`)."""
-    window = config.get("sliding_window") if model_type in _EVERY_LAYER_WINDOW else None
-    return {"linear_bias": False, **({} if window is None else {"window_size": int(window)})}
+    window = _sliding_window(config) if model_type in _EVERY_LAYER_WINDOW else None
+    return {"linear_bias": False, **({} if window is None else {"window_size": window})}
 
 
 def _gpt_oss_fields(config: dict, layers: int) -> dict:
@@ -186,10 +194,10 @@ def _gpt_oss_fields(config: dict, layers: int) -> dict:
     unknown = sorted(set(kinds) - set(_WINDOW_KINDS))
     if unknown or len(kinds) != layers:
         raise _refuse("layer_types", kinds, f"one of {sorted(_WINDOW_KINDS)} per layer ({layers}) converts.")
-    window = config.get("sliding_window")
+    window = _sliding_window(config)
     windowed = tuple(i for i, kind in enumerate(kinds) if _WINDOW_KINDS[kind])
     return dict(linear_bias=True, attention_sinks=True, swiglu_limit=float(config.get("swiglu_limit", 7.0)),
-                window_size=int(window) if window and windowed else None,
+                window_size=window if window and windowed else None,
                 window_layers=windowed if window and len(windowed) < layers else ())  # fmt: skip
 
 
